@@ -1,0 +1,106 @@
+"""Where each architecture keeps its routed and shared experts in an exllamav3 checkpoint (exl3-format.md §1.4)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import Exl3FormatError
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Tensor names and sizes of one MoE architecture, read from its HF config."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert, unpadded
+    moe_layers: tuple[int, ...]
+    expert_root: str  # "model.layers.{layer}.mlp.experts"
+    projection_names: Mapping[str, str]  # gate/up/down -> checkpoint name
+    shared_expert_root: str | None = None
+    shared_intermediate_size: int | None = None
+
+    def expert_prefix(self, layer: int, expert: int, projection: str) -> str:
+        return f"{self.expert_root.format(layer=layer)}.{expert}.{self.projection_names[projection]}"
+
+    def shared_prefix(self, layer: int, projection: str) -> str | None:
+        if self.shared_expert_root is None:
+            return None
+        return f"{self.shared_expert_root.format(layer=layer)}.{self.projection_names[projection]}"
+
+    def expert_shape(self, projection: str) -> tuple[int, int]:
+        """(in_features, out_features) of one routed expert projection, unpadded."""
+        if projection == "down":
+            return self.intermediate_size, self.hidden_size
+        return self.hidden_size, self.intermediate_size
+
+
+def _require(config: Mapping[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    raise Exl3FormatError(f"config.json: missing {' or '.join(keys)}")
+
+
+def _qwen3_moe(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers", []) or [])
+    experts = int(_require(cfg, "num_experts"))
+    moe = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return MoeLayout(
+        arch, int(cfg["hidden_size"]), layers, experts, int(cfg["num_experts_per_tok"]),
+        int(cfg["moe_intermediate_size"]), moe, "model.layers.{layer}.mlp.experts",
+        {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    )
+
+
+def _mixtral(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+    layers = int(cfg["num_hidden_layers"])
+    return MoeLayout(
+        arch, int(cfg["hidden_size"]), layers, int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+        int(cfg["intermediate_size"]), tuple(range(layers)), "model.layers.{layer}.block_sparse_moe.experts",
+        {"gate": "w1", "up": "w3", "down": "w2"},
+    )
+
+
+def _deepseek(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+    layers = int(cfg["num_hidden_layers"])
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    moe = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)
+    shared = int(cfg.get("n_shared_experts", 0) or 0)
+    inter = int(cfg["moe_intermediate_size"])
+    return MoeLayout(
+        arch, int(cfg["hidden_size"]), layers, int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]),
+        inter, moe, "model.layers.{layer}.mlp.experts",
+        {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+        shared_expert_root="model.layers.{layer}.mlp.shared_experts" if shared else None,
+        shared_intermediate_size=inter * shared if shared else None,
+    )
+
+
+_LAYOUTS = {
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral,
+    "DeepseekV2ForCausalLM": _deepseek,
+    "DeepseekV3ForCausalLM": _deepseek,
+}
+SUPPORTED_ARCHITECTURES = tuple(_LAYOUTS)
+
+
+def moe_layout(hf_config: Mapping[str, Any]) -> MoeLayout:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in _LAYOUTS:
+            return _LAYOUTS[arch](hf_config, arch)
+    raise Exl3FormatError(
+        f"config.json: architectures {archs} has no known MoE layout; supported: {list(SUPPORTED_ARCHITECTURES)}"
+    )
