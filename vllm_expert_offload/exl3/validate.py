@@ -1,0 +1,100 @@
+"""Whole-checkpoint validation from safetensors headers, before any weight is loaded.
+
+A 300 GB checkpoint with one bad expert must be refused in seconds with that expert named, not
+after an hour of loading or, worse, served with garbage in one expert.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import Exl3Checkpoint
+from .errors import Exl3FormatError
+from .naming import PROJECTIONS, MoeLayout, moe_layout
+from .tensors import MARKER_SUFFIXES, Exl3Linear, parse_linear
+
+_DTYPES = {"I16": torch.int16, "I32": torch.int32, "F16": torch.float16, "F32": torch.float32, "BF16": torch.bfloat16}
+
+
+@dataclass
+class CheckpointSummary:
+    """What validation learned: every quantized module (header-level) and the MoE layout."""
+
+    linears: dict[str, Exl3Linear]  # prefix -> tensor set with meta trellis/suh/svh
+    layout: MoeLayout | None
+    expert_bytes: dict[int, list[int]] = field(default_factory=dict)  # moe layer -> bytes per expert
+
+    @property
+    def quantized_prefixes(self) -> frozenset[str]:
+        return frozenset(self.linears)
+
+
+def _meta(shape: tuple[int, ...], dtype: str, name: str) -> torch.Tensor:
+    if dtype not in _DTYPES:
+        raise Exl3FormatError(f"{name}: dtype {dtype} is not used by EXL3 tensors")
+    return torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
+
+
+def _header_linears(ckpt: Exl3Checkpoint) -> dict[str, Exl3Linear]:
+    shapes = ckpt.header_shapes()
+    groups = ckpt.linear_tensor_names()
+    markers: dict[str, torch.Tensor] = {}
+    by_file: dict[object, list[str]] = defaultdict(list)
+    for names in groups.values():
+        for suffix, name in names.items():
+            if suffix in MARKER_SUFFIXES:
+                by_file[ckpt.tensor_files[name]].append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                markers[name] = f.get_tensor(name)
+    linears = {}
+    for prefix, names in groups.items():
+        tensors = {
+            suffix: markers[name] if name in markers else _meta(*shapes[name], name) for suffix, name in names.items()
+        }
+        linears[prefix] = parse_linear(tensors, prefix)
+    return linears
+
+
+def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], names: list[str]) -> dict[int, list[int]]:
+    expert_bytes: dict[int, list[int]] = {}
+    for layer in layout.moe_layers:
+        per_expert = []
+        for expert in range(layout.num_experts):
+            total = 0
+            for projection in PROJECTIONS:
+                prefix = layout.expert_prefix(layer, expert, projection)
+                if prefix not in linears:
+                    raise Exl3FormatError(f"{prefix}.trellis: missing (routed expert {expert} of layer {layer})")
+                in_f, out_f = layout.expert_shape(projection)
+                lin = parse_linear(linears[prefix].tensors(), prefix, in_f, out_f)
+                total += lin.nbytes()
+            per_expert.append(total)
+        expert_bytes[layer] = per_expert
+    root = re.escape(layout.expert_root).replace(r"\{layer\}", r"(\d+)")
+    pattern = re.compile(rf"^{root}\.(\d+)\.")
+    for name in names:
+        match = pattern.match(name)
+        if match and (int(match.group(1)) not in layout.moe_layers or int(match.group(2)) >= layout.num_experts):
+            raise Exl3FormatError(
+                f"{name}: unexpected tensor (layer {match.group(1)} has experts 0..{layout.num_experts - 1}"
+                f"{'' if int(match.group(1)) in layout.moe_layers else ' and is not an MoE layer'})"
+            )
+    return expert_bytes
+
+
+def validate_checkpoint(ckpt: Exl3Checkpoint) -> CheckpointSummary:
+    """Check every EXL3 tensor set from headers (markers are read, they are 4 bytes) and every routed expert."""
+    linears = _header_linears(ckpt)
+    try:
+        layout = moe_layout(ckpt.hf_config)
+    except Exl3FormatError:
+        layout = None
+    expert_bytes = _check_experts(layout, linears, list(ckpt.tensor_files)) if layout else {}
+    return CheckpointSummary(linears=linears, layout=layout, expert_bytes=expert_bytes)

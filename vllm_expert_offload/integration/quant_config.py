@@ -1,0 +1,103 @@
+"""vLLM quantization config `exl3`: picks the EXL3 method for each layer the checkpoint quantized."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+from ..exl3.config import Exl3QuantConfig, parse_quant_config
+from ..exl3.errors import Exl3FormatError
+from ..exl3.validate import CheckpointSummary
+from .checkpoint_scan import resolve_model_dir, scan_checkpoint
+
+QUANT_NAME = "exl3"
+
+
+@register_quantization_config(QUANT_NAME)
+class Exl3Config(QuantizationConfig):
+    """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
+    validated in `maybe_update_config`, before any layer is constructed."""
+
+    def __init__(self, quant: Exl3QuantConfig) -> None:
+        super().__init__()
+        self.quant = quant
+        self.summary: CheckpointSummary | None = None
+
+    def __repr__(self) -> str:
+        return f"Exl3Config(bits={self.quant.bits}, head_bits={self.quant.head_bits}, codebook={self.quant.codebook})"
+
+    def get_name(self) -> str:
+        return QUANT_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Exl3Config":
+        try:
+            return cls(parse_quant_config(config))
+        except Exl3FormatError as exc:
+            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+        method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
+        if method == QUANT_NAME and user_quant in (None, QUANT_NAME):
+            return QUANT_NAME
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        try:
+            self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
+        except Exl3FormatError as exc:
+            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+
+    # Which of a (possibly fused) vLLM module's checkpoint shards carry a trellis.
+    def _shard_prefixes(self, prefix: str) -> list[str]:
+        base, _, name = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(name)
+        if not shards:
+            return [prefix]
+        return [f"{base}.{shard}" if base else shard for shard in shards]
+
+    def is_quantized(self, prefix: str) -> bool:
+        if self.summary is None:
+            raise RuntimeError(
+                "Exl3Config.maybe_update_config was not called before layers were built; "
+                "this vLLM version loads quantization configs differently from the verified ones"
+            )
+        shards = self._shard_prefixes(prefix)
+        present = [s in self.summary.quantized_prefixes for s in shards]
+        if any(present) and not all(present):
+            missing = [s for s, p in zip(shards, present) if not p]
+            raise ValueError(
+                f"EXL3 checkpoint refused: {missing[0]}.trellis: missing, but the other shards of fused module "
+                f"{prefix} are EXL3; a fused module must be quantized in every shard"
+            )
+        return all(present)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from .linear_method import Exl3LinearMethod
+        from .moe_method import Exl3MoEMethod
+
+        if isinstance(layer, RoutedExperts):
+            return Exl3MoEMethod(layer.moe_config, self)
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
+            if self.is_quantized(prefix):
+                return Exl3LinearMethod(self, prefix)
+            return UnquantizedLinearMethod()
+        return None
