@@ -37,7 +37,10 @@ class Exl3Checkpoint:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise Exl3FormatError(f"{config_file}: not found")
-        hf_config = json.loads(config_file.read_text())
+        try:
+            hf_config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise Exl3FormatError(f"{config_file}: not valid JSON ({exc})") from exc
         if "quantization_config" not in hf_config:
             raise Exl3FormatError(f"{config_file}: no quantization_config; not an EXL3 checkpoint")
         quant = parse_quant_config(hf_config["quantization_config"])
