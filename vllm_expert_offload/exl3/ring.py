@@ -12,7 +12,7 @@ import torch
 
 from .bitrate import POSITIONS, position_bits, position_ends, ring_bits
 
-_TILE_CHUNK = 8192  # tiles unpacked at once; bounds the (tiles, 256, 16) index temporary
+_TILE_CHUNK = 16384  # tiles unpacked at once; bounds the (tiles, 256) int64 temporaries
 
 
 def _int16_to_words(trellis: torch.Tensor) -> torch.Tensor:
@@ -28,32 +28,32 @@ def _words_to_int16(words: torch.Tensor) -> torch.Tensor:
     return torch.where(u16 >= 0x8000, u16 - 0x10000, u16).to(torch.int16)
 
 
-def _ring_to_bits(trellis: torch.Tensor) -> torch.Tensor:
-    """(T, 16K) int16 -> (T, 256K) uint8 ring bits, bit b = bit 31 - b%32 of word b//32."""
-    words = _int16_to_words(trellis)
-    shifts = torch.arange(31, -1, -1, device=trellis.device)
-    return ((words[..., :, None] >> shifts) & 1).flatten(-2).to(torch.uint8)
-
-
 @lru_cache(maxsize=None)
-def _window_index(k: float) -> torch.Tensor:
-    """(256, 16) ring indices of each position's 16-bit state window, MSB first, wrapped mod R."""
+def _window_words(k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each position: the two ring words its 16-bit window spans, and the right shift that aligns it.
+
+    The window [S(p) - 16, S(p)) mod R starts at bit `off` of word `a`; since 16 <= 32 it ends in word
+    a or a+1 (mod the word count), so one 64-bit merge and one shift extract it.
+    """
     r = ring_bits(k)
-    ends = position_ends(k)
-    return (ends[:, None] - 16 + torch.arange(16)[None, :]) % r
+    start = (position_ends(k) - 16) % r
+    first = start // 32
+    second = (first + 1) % (r // 32)
+    shift = 48 - start % 32
+    return first, second, shift
 
 
 def unpack_states(trellis: torch.Tensor, k: float) -> torch.Tensor:
     """Packed tiles (..., 16K) int16 -> 16-bit states (..., 256) int64 in ring position order."""
     lead = trellis.shape[:-1]
-    flat = trellis.reshape(-1, trellis.shape[-1])
-    weights = (1 << torch.arange(15, -1, -1, device=trellis.device)).to(torch.int64)
-    index = _window_index(k).to(trellis.device)
-    out = torch.empty(flat.shape[0], POSITIONS, dtype=torch.int64, device=trellis.device)
-    for start in range(0, flat.shape[0], _TILE_CHUNK):
-        bits = _ring_to_bits(flat[start : start + _TILE_CHUNK])
-        windows = bits[:, index].to(torch.int64)  # (T, 256, 16)
-        out[start : start + _TILE_CHUNK] = (windows * weights).sum(-1)
+    words = _int16_to_words(trellis.reshape(-1, trellis.shape[-1]))
+    first, second, shift = (t.to(trellis.device) for t in _window_words(k))
+    out = torch.empty(words.shape[0], POSITIONS, dtype=torch.int64, device=trellis.device)
+    for start in range(0, words.shape[0], _TILE_CHUNK):
+        chunk = words[start : start + _TILE_CHUNK]
+        # int64 wraps on the left shift; the arithmetic right shift only smears bits the mask drops.
+        merged = (chunk[:, first] << 32) | chunk[:, second]
+        out[start : start + _TILE_CHUNK] = (merged >> shift) & 0xFFFF
     return out.reshape(*lead, POSITIONS)
 
 
