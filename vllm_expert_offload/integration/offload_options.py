@@ -1,0 +1,83 @@
+"""`--additional-config '{"expert_offload": {...}}'`: the plugin's serving options, validated at startup.
+
+Exactly one way to decide placement may be given; anything unknown or out of range is refused with
+the key named, because a typo that silently serves everything from GPU memory would look like success
+until the KV cache came out smaller than planned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+OPTION_KEY = "expert_offload"
+_PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
+_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats"})
+
+
+class OffloadOptionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    plan: Path | None = None
+    gpu_budget_gib: float | None = None
+    host_fraction: float | None = None
+    stats: Path | None = None  # routing counts that steer a budget plan
+    record_stats: Path | None = None  # where serving writes the counts it observes
+
+    @property
+    def offloads(self) -> bool:
+        return any(v is not None for v in (self.plan, self.gpu_budget_gib, self.host_fraction))
+
+
+def _where(key: str) -> str:
+    return f'--additional-config {OPTION_KEY}.{key}'
+
+
+def _number(raw: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    if key not in raw:
+        return None
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OffloadOptionError(f"{_where(key)}: {value!r} is not a number")
+    if not lo <= value <= hi:
+        raise OffloadOptionError(f"{_where(key)}: {value} is outside [{lo}, {hi}]")
+    return float(value)
+
+
+def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
+    if key not in raw:
+        return None
+    if not isinstance(raw[key], str) or not raw[key]:
+        raise OffloadOptionError(f"{_where(key)}: expected a file path, got {raw[key]!r}")
+    path = Path(raw[key]).expanduser()
+    if must_exist and not path.is_file():
+        raise OffloadOptionError(f"{_where(key)}: {path} does not exist")
+    return path
+
+
+def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOptions:
+    raw = (additional_config or {}).get(OPTION_KEY)
+    if raw is None:
+        return OffloadOptions()
+    if not isinstance(raw, dict):
+        raise OffloadOptionError(f"--additional-config {OPTION_KEY}: expected an object, got {raw!r}")
+    unknown = sorted(set(raw) - _KNOWN)
+    if unknown:
+        raise OffloadOptionError(f"{_where(unknown[0])}: unknown option (known: {sorted(_KNOWN)})")
+    given = [k for k in _PLACEMENT_KEYS if k in raw]
+    if len(given) > 1:
+        raise OffloadOptionError(f"--additional-config {OPTION_KEY}: give one of {list(_PLACEMENT_KEYS)}, not {given}")
+    if "stats" in raw and "gpu_budget_gib" not in raw:
+        raise OffloadOptionError(f"{_where('stats')}: only used together with gpu_budget_gib")
+    return OffloadOptions(
+        plan=_path(raw, "plan", must_exist=True),
+        gpu_budget_gib=_number(raw, "gpu_budget_gib", 0.0, 1e6),
+        host_fraction=_number(raw, "host_fraction", 0.0, 1.0),
+        stats=_path(raw, "stats", must_exist=True),
+        record_stats=_path(raw, "record_stats", must_exist=False),
+    )

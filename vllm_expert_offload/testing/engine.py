@@ -1,0 +1,73 @@
+"""Greedy generation on the real vLLM engine, in a child process.
+
+Each engine start binds OpenMP threads, sets up torch.distributed and leaves global state behind,
+so tests run every engine in a fresh interpreter and read the tokens back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ENGINE_TIMEOUT_S = 600
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    prompts: list[list[int]]
+    max_tokens: int = 24
+    block_size: int = 128
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    additional_config: dict | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def engine_env(tensor_parallel_size: int) -> dict[str, str]:
+    """The CPU test-stack settings (docs/development.md): small KV cache, in-process engine core at TP 1,
+    one OpenMP thread per rank at TP 2 so two ranks fit on two cores."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    if tensor_parallel_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tensor_parallel_size))
+    return env
+
+
+def generate_greedy(spec: EngineSpec) -> list[list[int]]:
+    """Token ids generated for each prompt; raises with the child's log tail if the engine fails."""
+    env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
+        input=json.dumps(asdict(spec)), capture_output=True, text=True, env=env, timeout=ENGINE_TIMEOUT_S,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"engine failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def _run(spec: EngineSpec) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {"additional_config": spec.additional_config} if spec.additional_config else {}
+    llm = LLM(
+        spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=True,
+        block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
+    )
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec.prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+if __name__ == "__main__":
+    spec = EngineSpec(**json.loads(sys.stdin.read()))
+    Path(spec.model)  # fail early on a bad spec
+    print("RESULT " + json.dumps(_run(spec)), flush=True)
