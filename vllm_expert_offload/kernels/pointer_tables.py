@@ -1,0 +1,165 @@
+"""Per-layer expert pointer tables: the form in which exllamav3's MoE kernels take their weights.
+
+Its kernels (`exl3_moe`, `exl3_moe_coop`, `exl3_mgemm`; exl3-format.md §4) read `table[e]` on the device: one
+int64 raw pointer per expert for each of gate/up/down x trellis/suh/svh. Any address the GPU can load from
+works, so an expert's tier is nothing but where its table entry points: VRAM for the GPU tier, the host
+arena's device alias for the host tier. suh/svh are tiny next to a trellis (2*(in+out) bytes against
+in*out*K/8) and read by every token, so they always stay in VRAM; only host-tier trellises live in the arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..exl3.codebook import Codebook
+from ..exl3.naming import PROJECTIONS
+from ..exl3.tensors import Exl3Linear
+from ..memory.arena import HostArena, align_up
+
+PARTS = ("trellis", "suh", "svh")
+
+
+@dataclass(frozen=True)
+class PlacedExpert:
+    """One routed expert's projections (gate/up/down) after placement into its tier."""
+
+    projections: Mapping[str, Exl3Linear]
+    in_gpu_tier: bool
+
+
+def _record_layout(linear_sets: Mapping[str, Exl3Linear]) -> tuple[dict[str, int], int]:
+    """Offset of each projection's trellis inside one expert's host record (each page-aligned), and its size."""
+    offsets, size = {}, 0
+    for projection, layer in linear_sets.items():
+        offsets[projection] = size
+        size += align_up(layer.trellis.numel() * layer.trellis.element_size())
+    return offsets, size
+
+
+def host_record_bytes(linear_sets: Mapping[str, Exl3Linear]) -> int:
+    """Arena bytes one host-tier expert takes; an arena sized to the sum over its experts fits them exactly."""
+    return _record_layout(linear_sets)[1]
+
+
+def _copy_to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    # copy=True even when already on `device`: a placed tensor must never alias the checkpoint's buffers.
+    return None if tensor is None else tensor.to(device, copy=True)
+
+
+def place_expert(
+    linear_sets: Mapping[str, Exl3Linear],
+    in_gpu_tier: bool,
+    arena: HostArena | None,
+    device: torch.device | str,
+) -> PlacedExpert:
+    """Copy one expert straight into its tier: trellises into an arena record (host tier) or onto `device`;
+    suh/svh/bias onto `device` either way. Host-tier trellises never pass through GPU memory."""
+    device = torch.device(device)
+    if in_gpu_tier:
+        trellises = {p: _copy_to(layer.trellis, device) for p, layer in linear_sets.items()}
+    else:
+        if arena is None:
+            raise ValueError("a host-tier expert needs a host arena to be placed into")
+        offsets, size = _record_layout(linear_sets)
+        record = arena.reserve(size)
+        trellises = {}
+        for projection, layer in linear_sets.items():
+            view = arena.view(record + offsets[projection], layer.trellis.shape, layer.trellis.dtype)
+            trellises[projection] = view.copy_(layer.trellis)
+    placed = {
+        p: replace(
+            layer,
+            trellis=trellises[p],
+            suh=_copy_to(layer.suh, device),
+            svh=_copy_to(layer.svh, device),
+            bias=_copy_to(layer.bias, device),
+        )
+        for p, layer in linear_sets.items()
+    }
+    return PlacedExpert(placed, in_gpu_tier)
+
+
+def kernel_address(arena: HostArena | None, device: torch.device | str) -> Callable[[torch.Tensor], int]:
+    """Tensor -> the address a kernel on `device` dereferences: the arena's device alias for arena records,
+    data_ptr otherwise. A plain host tensor is refused for a CUDA kernel: it would fault on the GPU."""
+    device = torch.device(device)
+
+    def address(tensor: torch.Tensor) -> int:
+        if arena is not None and arena.contains(tensor):
+            return arena.device_address(arena.offset_of(tensor))
+        if tensor.device.type != device.type:
+            raise ValueError(
+                f"a {tensor.device} tensor outside the host arena has no address a {device} kernel can read"
+            )
+        return tensor.data_ptr()
+
+    return address
+
+
+@dataclass(frozen=True)
+class PointerTables:
+    """One MoE layer's tables; entry e of every tensor describes local expert e."""
+
+    pointers: Mapping[tuple[str, str], torch.Tensor]  # (projection, part) -> int64 (experts,)
+    k: Mapping[str, torch.Tensor]  # projection -> float32 (experts,) bits per weight
+    codebooks: Mapping[str, tuple[Codebook, ...]]  # projection -> one codebook per expert
+    in_gpu_tier: torch.Tensor  # bool (experts,)
+
+    def table(self, projection: str, part: str) -> torch.Tensor:
+        return self.pointers[(projection, part)]
+
+
+def build_pointer_tables(
+    experts: Sequence[PlacedExpert],
+    addresses: Callable[[torch.Tensor], int],
+    device: torch.device | str = "cpu",
+) -> PointerTables:
+    """Tables on `device` (where the kernel reads them). Addresses are baked in: rebuild after any re-placement."""
+    for e, expert in enumerate(experts):
+        missing = [p for p in PROJECTIONS if p not in expert.projections]
+        if missing:
+            raise ValueError(f"expert {e} lacks projection(s) {missing}; pointer tables need {list(PROJECTIONS)}")
+    pointers = {
+        (p, part): torch.tensor(
+            [addresses(getattr(expert.projections[p], part)) for expert in experts], dtype=torch.int64, device=device
+        )
+        for p in PROJECTIONS
+        for part in PARTS
+    }
+    k = {
+        p: torch.tensor([expert.projections[p].k for expert in experts], dtype=torch.float32, device=device)
+        for p in PROJECTIONS
+    }
+    codebooks = {p: tuple(expert.projections[p].codebook for expert in experts) for p in PROJECTIONS}
+    in_gpu_tier = torch.tensor([expert.in_gpu_tier for expert in experts], dtype=torch.bool, device=device)
+    return PointerTables(pointers, k, codebooks, in_gpu_tier)
+
+
+def gpu_tier_registry(experts: Sequence[PlacedExpert]) -> dict[int, torch.Tensor]:
+    """Address -> trellis for GPU-tier experts, so read_trellis can resolve their table entries."""
+    return {
+        layer.trellis.data_ptr(): layer.trellis
+        for expert in experts
+        if expert.in_gpu_tier
+        for layer in expert.projections.values()
+    }
+
+
+def read_trellis(
+    address: int, shape: tuple[int, ...] | torch.Size, arena_or_registry: HostArena | Mapping[int, torch.Tensor]
+) -> torch.Tensor:
+    """A trellis table entry back as an int16 tensor, so CPU reference kernels read weights through the table
+    exactly as the GPU kernels do (a wrong entry then shows up as wrong output, not as a silent detour)."""
+    if isinstance(arena_or_registry, HostArena):
+        return arena_or_registry.view(address - arena_or_registry.device_address(0), shape, torch.int16)
+    tensor = arena_or_registry.get(address)
+    if tensor is None:
+        raise KeyError(f"no registered trellis at address {address:#x}")
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.int16:
+        raise ValueError(
+            f"trellis at {address:#x} is {tensor.dtype} {tuple(tensor.shape)}, expected torch.int16 {tuple(shape)}"
+        )
+    return tensor

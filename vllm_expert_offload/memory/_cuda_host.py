@@ -1,0 +1,84 @@
+"""ctypes bindings for the three CUDA runtime calls that map host memory into the GPU's address space.
+
+torch exposes `cudaHostRegister` (`torch.cuda.cudart()`) but not `cudaHostGetDevicePointer`, and
+`Tensor.pin_memory()` goes through the caching host allocator, which rounds every block up to a power of
+two (vLLM #56410: ~1.9x host memory). Registering our own mmap'd range once avoids both. Nothing here
+runs on a CPU-only machine; the module is kept this thin so the untested surface stays small.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from pathlib import Path
+
+import torch
+
+CUDA_HOST_REGISTER_PORTABLE = 0x01  # the mapping is valid in every CUDA context, not just the current one
+CUDA_HOST_REGISTER_MAPPED = 0x02  # the range gets a device alias that kernels can dereference (zero-copy)
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed; the message names the call and its cudaError code."""
+
+
+def _loaded_cudart() -> str | None:
+    """The libcudart torch already loaded: using the same copy keeps one runtime state in the process."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    for line in maps.read_text().splitlines():
+        path = line.split(maxsplit=5)[-1]
+        if "libcudart" in Path(path).name:
+            return path
+    return None
+
+
+def _bundled_cudart() -> str | None:
+    """libcudart shipped next to torch's own libraries (older wheels bundle a hashed copy there)."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libcudart*.so*"))
+    return str(candidates[0]) if candidates else None
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL:
+    path = _loaded_cudart() or _bundled_cudart() or ctypes.util.find_library("cudart")
+    if path is None:
+        raise CudaError("libcudart not found: not loaded by torch, not in torch's lib dir, not on the linker path")
+    lib = ctypes.CDLL(path)
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+    lib.cudaGetErrorName.restype = ctypes.c_char_p
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _check(call: str, code: int) -> None:
+    if code != 0:
+        lib = _cudart()
+        name = lib.cudaGetErrorName(code).decode()
+        text = lib.cudaGetErrorString(code).decode()
+        raise CudaError(f"{call} failed: cudaError {code} ({name}: {text})")
+
+
+def host_register_mapped(address: int, nbytes: int) -> None:
+    """Page-lock [address, address+nbytes) and map it into every context's device address space."""
+    flags = CUDA_HOST_REGISTER_MAPPED | CUDA_HOST_REGISTER_PORTABLE
+    _check(f"cudaHostRegister({address:#x}, {nbytes}, {flags:#x})", _cudart().cudaHostRegister(address, nbytes, flags))
+
+
+def host_unregister(address: int) -> None:
+    _check(f"cudaHostUnregister({address:#x})", _cudart().cudaHostUnregister(address))
+
+
+def host_device_pointer(address: int) -> int:
+    """The device alias of a registered host address, for the current device (equals it on Linux with UVA)."""
+    device_ptr = ctypes.c_void_p()
+    _check(
+        f"cudaHostGetDevicePointer(host={address:#x})",
+        _cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), address, 0),
+    )
+    return int(device_ptr.value or 0)
