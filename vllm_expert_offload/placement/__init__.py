@@ -1,0 +1,33 @@
+"""Pure-Python placement layer: which routed experts go to GPU memory and which to the pinned host arena.
+
+numpy only (no torch, no vLLM), so plans can be made, inspected and tested on any machine.
+"""
+
+from __future__ import annotations
+
+from .cost import DecodeCostModel, expected_layer_bytes, trace_layer_bytes
+from .datasets import UnsupportedRoutingFile, load_routing_dataset
+from .ledger import ARENA_ALIGNMENT, Ledger, LedgerRow
+from .planfile import PLAN_FORMAT, PLAN_VERSION, ModelIdentity, load_plan, save_plan
+from .planner import plan_placement
+from .stats import RoutingCounts, RoutingTrace, SegmentedCounts
+
+__all__ = [
+    "ARENA_ALIGNMENT",
+    "DecodeCostModel",
+    "Ledger",
+    "LedgerRow",
+    "ModelIdentity",
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "RoutingCounts",
+    "RoutingTrace",
+    "SegmentedCounts",
+    "UnsupportedRoutingFile",
+    "expected_layer_bytes",
+    "load_plan",
+    "load_routing_dataset",
+    "plan_placement",
+    "save_plan",
+    "trace_layer_bytes",
+]

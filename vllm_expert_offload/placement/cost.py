@@ -1,0 +1,81 @@
+"""Per-token decode-time model of routed-expert reads, shared by the layer-balancing planner and the benchmark.
+
+Model (batch 1 decode, one token, one MoE layer l):
+
+    t_gpu(l)  = (dense_bytes_per_layer + routed bytes read from the GPU tier) / gpu_bytes_per_s
+    t_host(l) = routed bytes read from the host tier / link_bytes_per_s
+    t(l)      = max(t_gpu, t_host)   if overlap (the fused kernel streams host experts while other SMs read HBM)
+              = t_gpu + t_host       otherwise (host reads serialized after the GPU work)
+    t_token   = sum over MoE layers of t(l)
+
+Every selected expert is read once per token (weights dominate at batch 1); compute, launch overhead, attention KV
+reads, the LM head and sampling are left out, so absolute numbers are lower bounds on time per token. With expected
+(count-derived) bytes instead of per-token bytes, the `max` form is a lower bound of the per-token mean (Jensen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecodeCostModel:
+    """Bandwidths and per-layer fixed traffic of one model on one machine; see the module docstring for the formula.
+
+    `top_k` converts routing counts (selections) into expected selections per token: tokens = row sum / top_k.
+    """
+
+    top_k: int
+    link_bytes_per_s: float = 25e9  # PCIe 4.0 x16, practical (exllamav3 PR #392: 24-26.8 GB/s)
+    gpu_bytes_per_s: float = 1.0e12  # GDDR6X-class GPU memory (RTX 4090/3090 Ti)
+    dense_bytes_per_layer: float = 0.0  # attention, shared experts, router: read every token from GPU memory
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.link_bytes_per_s <= 0 or self.gpu_bytes_per_s <= 0:
+            raise ValueError("link_bytes_per_s and gpu_bytes_per_s must be > 0")
+        if self.dense_bytes_per_layer < 0:
+            raise ValueError(f"dense_bytes_per_layer must be >= 0, got {self.dense_bytes_per_layer}")
+
+    def layer_seconds(self, gpu_bytes: np.ndarray | float, host_bytes: np.ndarray | float) -> np.ndarray | float:
+        """t(l) for routed bytes read per layer from each tier (floats, or arrays that broadcast)."""
+        t_gpu = (self.dense_bytes_per_layer + gpu_bytes) / self.gpu_bytes_per_s
+        t_host = host_bytes / self.link_bytes_per_s
+        return np.maximum(t_gpu, t_host) if self.overlap else t_gpu + t_host
+
+    def selections_per_token(self, counts: np.ndarray) -> np.ndarray:
+        """Expected selections of each expert per token, [layers, experts]; an all-zero layer stays zero."""
+        counts = np.asarray(counts, dtype=np.float64)
+        tokens = counts.sum(axis=1, keepdims=True) / self.top_k
+        return np.divide(counts, tokens, out=np.zeros_like(counts), where=tokens > 0)
+
+
+def expected_layer_bytes(
+    host_fraction: np.ndarray, expert_bytes: np.ndarray, selections_per_token: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Expected routed bytes per token and layer read from (GPU, host); `host_fraction` in [0, 1] per expert.
+
+    A fraction rather than a flag so that tensor-granular offload (part of every expert of a layer on host) fits.
+    """
+    traffic = np.asarray(selections_per_token, dtype=np.float64) * np.asarray(expert_bytes, dtype=np.float64)
+    host = (traffic * host_fraction).sum(axis=1)
+    return traffic.sum(axis=1) - host, host
+
+
+def trace_layer_bytes(
+    host_fraction: np.ndarray, expert_bytes: np.ndarray, expert_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Routed bytes read from (GPU, host) per token and layer, [tokens, layers] each, for ids [tokens, layers, k]."""
+    nbytes = np.asarray(expert_bytes, dtype=np.float64)
+    host_bytes = nbytes * np.asarray(host_fraction, dtype=np.float64)
+    gpu = np.empty(expert_ids.shape[:2])
+    host = np.empty(expert_ids.shape[:2])
+    for layer in range(expert_ids.shape[1]):  # per-layer gathers from short rows: far faster than one 3-D gather
+        ids = expert_ids[:, layer]
+        host[:, layer] = host_bytes[layer][ids].sum(axis=1)
+        gpu[:, layer] = nbytes[layer][ids].sum(axis=1) - host[:, layer]
+    return gpu, host
