@@ -53,7 +53,7 @@ def _qwen3_moe(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
     layers = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     dense = set(cfg.get("mlp_only_layers", []) or [])
-    experts = int(_require(cfg, "num_experts"))
+    experts = int(_require(cfg, "num_experts", "num_local_experts"))  # transformers 5 writes the latter
     moe = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
     return MoeLayout(
         arch, int(cfg["hidden_size"]), layers, experts, int(cfg["num_experts_per_tok"]),
@@ -96,11 +96,12 @@ _LAYOUTS = {
 SUPPORTED_ARCHITECTURES = tuple(_LAYOUTS)
 
 
-def moe_layout(hf_config: Mapping[str, Any]) -> MoeLayout:
-    archs = hf_config.get("architectures") or []
-    for arch in archs:
+def moe_layout(hf_config: Mapping[str, Any]) -> MoeLayout | None:
+    """The layout of a supported MoE architecture; None for any other architecture (dense linears only)."""
+    for arch in hf_config.get("architectures") or []:
         if arch in _LAYOUTS:
-            return _LAYOUTS[arch](hf_config, arch)
-    raise Exl3FormatError(
-        f"config.json: architectures {archs} has no known MoE layout; supported: {list(SUPPORTED_ARCHITECTURES)}"
-    )
+            try:
+                return _LAYOUTS[arch](hf_config, arch)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise Exl3FormatError(f"config.json: {arch} config is incomplete or malformed ({exc!r})") from exc
+    return None

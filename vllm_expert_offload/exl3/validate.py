@@ -26,6 +26,7 @@ class CheckpointSummary:
     """What validation learned: every quantized module (header-level) and the MoE layout."""
 
     linears: dict[str, Exl3Linear]  # prefix -> tensor set with meta trellis/suh/svh
+    suffixes: dict[str, frozenset[str]]  # prefix -> the suffixes stored for it (what a loader must receive)
     layout: MoeLayout | None
     expert_bytes: dict[int, list[int]] = field(default_factory=dict)  # moe layer -> bytes per expert
 
@@ -92,9 +93,7 @@ def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], names: lis
 def validate_checkpoint(ckpt: Exl3Checkpoint) -> CheckpointSummary:
     """Check every EXL3 tensor set from headers (markers are read, they are 4 bytes) and every routed expert."""
     linears = _header_linears(ckpt)
-    try:
-        layout = moe_layout(ckpt.hf_config)
-    except Exl3FormatError:
-        layout = None
+    layout = moe_layout(ckpt.hf_config)
     expert_bytes = _check_experts(layout, linears, list(ckpt.tensor_files)) if layout else {}
-    return CheckpointSummary(linears=linears, layout=layout, expert_bytes=expert_bytes)
+    suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
+    return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes)

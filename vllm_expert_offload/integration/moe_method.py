@@ -1,23 +1,39 @@
-"""EXL3 routed experts in vLLM's RoutedExperts: per-expert loading, TP slicing, one kernel interface."""
+"""EXL3 routed experts in vLLM's RoutedExperts: per-expert loading straight into each expert's tier,
+TP slicing, pointer tables, and one kernel interface."""
 
 from __future__ import annotations
 
+import re
+
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from ..exl3.errors import Exl3FormatError
-from ..exl3.slicing import aligned_cover, slice_input, slice_output
-from ..exl3.tensors import parse_linear
-from ..kernels.dequantized import dense_weight, moe_forward
+from ..exl3.naming import PROJECTIONS
+from ..kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
+from ..kernels.table_moe import ExpertCrop, TableMoE
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
+from .expert_slices import ExpertGeometry
+from .offload_options import parse_offload_options
+from .placement_state import ProcessPlacement
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
-STEM = {"gate": "w13", "up": "w13", "down": "w2"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _process_placement(quant_config, geometry: ExpertGeometry, device: torch.device) -> ProcessPlacement:
+    """The quant config lives once per process, so it carries the process's placement."""
+    if getattr(quant_config, "placement", None) is None:
+        options = parse_offload_options(get_current_vllm_config().additional_config)
+        quant_config.placement = ProcessPlacement(options, quant_config.summary, geometry, device)
+    return quant_config.placement
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    """Receives each expert's tensor sets through collector parameters and computes the routed sum."""
+    """Receives each expert's tensor sets through collector parameters and places every expert in its tier
+    as soon as its last tensor arrives, so the checkpoint is never held whole in memory."""
 
     requires_device_loading = False
 
@@ -37,17 +53,32 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         activation = getattr(layer.activation, "value", layer.activation)
         if activation != "silu":
             raise Exl3FormatError(f"{layer.layer_name}: activation {activation!r} is not supported (EXL3 MoE: silu)")
-        self.num_local_experts = num_experts
-        self.hidden_size = hidden_size
-        self.intermediate_size_per_partition = intermediate_size_per_partition
+        if self.quant_config.summary.layout is None:
+            from ..exl3.naming import SUPPORTED_ARCHITECTURES
+
+            raise Exl3FormatError(
+                f"{layer.layer_name}: EXL3 routed experts are supported for {list(SUPPORTED_ARCHITECTURES)} only"
+            )
+        match = _LAYER_INDEX.search(layer.layer_name)
+        if match is None:
+            raise Exl3FormatError(f"{layer.layer_name}: cannot tell which model layer this MoE block is")
+        self.layer_index = int(match.group(1))
+        parallel = layer.moe_config.moe_parallel_config
+        self.geometry = ExpertGeometry(
+            hidden=self.moe.hidden_dim_unpadded, intermediate=self.moe.intermediate_size,
+            intermediate_per_rank=intermediate_size_per_partition, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
+        )
+        self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
         self.params_dtype = params_dtype
+        self.num_local_experts = num_experts
+        self.placement = _process_placement(self.quant_config, self.geometry, self.device)
+        self.placed: dict[int, object] = {}
+        self.crop_offset: int | None = None
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
 
-    def _checkpoint_name(self, layer: torch.nn.Module, global_expert: int, projection: str) -> str:
-        ckpt = {"gate": layer.ckpt_gate_proj_name, "up": layer.ckpt_up_proj_name, "down": layer.ckpt_down_proj_name}
-        root = layer.layer_name.removesuffix(".routed_experts")
-        return f"{root}.{global_expert}.{ckpt[projection]}"
+    def _checkpoint_name(self, global_expert: int, projection: str) -> str:
+        return self.quant_config.summary.layout.expert_prefix(self.layer_index, global_expert, projection)
 
     def _load(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
         layer = self._layer
@@ -55,11 +86,26 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if local == -1:
             return False if return_success else None
         projection = SHARD_PROJECTION[shard_id]
-        where = self._checkpoint_name(layer, expert_id, projection)
+        where = self._checkpoint_name(expert_id, projection)
         if param.exl3_suffix == "bias":
             raise Exl3FormatError(f"{where}.bias: expert biases are not supported yet")
         collect(layer, (local, projection), param.exl3_suffix, loaded_weight, where)
+        self._place_if_complete(local, expert_id)
         return True if return_success else None
+
+    def _place_if_complete(self, local: int, global_expert: int) -> None:
+        store = getattr(self._layer, "_exl3_loaded")
+        expected = self.quant_config.summary.suffixes
+        names = {p: self._checkpoint_name(global_expert, p) for p in PROJECTIONS}
+        if any(set(store.get((local, p), {})) != expected[names[p]] for p in PROJECTIONS):
+            return
+        sliced = {}
+        for projection in PROJECTIONS:
+            tensors = store.pop((local, projection))
+            sliced[projection], offset = self.geometry.rank_slice(tensors, names[projection], projection)
+            self.crop_offset = offset
+        in_gpu_tier = self.placement.in_gpu_tier(self.layer_index, global_expert)
+        self.placed[local] = place_expert(sliced, in_gpu_tier, self.placement.arena, self.device)
 
     def _local_to_global(self, layer: torch.nn.Module) -> list[int]:
         expert_map = layer.expert_map
@@ -71,47 +117,32 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 globals_[local] = global_id
         return globals_
 
-    def _expert_weight(self, layer, tensors, name: str, projection: str) -> torch.Tensor:
-        parallel = layer.moe_config.moe_parallel_config
-        inter, hidden = self.moe.intermediate_size, self.moe.hidden_dim_unpadded
-        inter_pp = self.intermediate_size_per_partition
-        start = parallel.tp_rank * inter_pp
-        if projection == "down":
-            lin = parse_linear(tensors, name, inter, hidden)
-            lo, hi = aligned_cover(start, start + inter_pp, lin.in_features)
-            w = dense_weight(slice_input(lin, lo, hi, keep_bias=True), lin.out_features, hi - lo, self.params_dtype)
-            return w[:hidden, start - lo : start - lo + inter_pp]
-        lin = parse_linear(tensors, name, hidden, inter)
-        lo, hi = aligned_cover(start, start + inter_pp, lin.out_features)
-        w = dense_weight(slice_output(lin, lo, hi), hi - lo, lin.in_features, self.params_dtype)
-        return w[start - lo : start - lo + inter_pp, :hidden]
-
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        loaded = take_loaded(layer, list(COLLECTORS))
+        leftovers = take_loaded(layer, list(COLLECTORS))
         del self._layer
-        w13, w2 = [], []
         for local, global_id in enumerate(self._local_to_global(layer)):
-            per_projection = {}
-            for projection in ("gate", "up", "down"):
-                name = self._checkpoint_name(layer, global_id, projection)
-                tensors = loaded.get((local, projection))
-                if tensors is None:
-                    raise Exl3FormatError(f"{name}.trellis: missing from the checkpoint")
-                per_projection[projection] = self._expert_weight(layer, tensors, name, projection)
-            w13.append(torch.cat((per_projection["gate"], per_projection["up"]), dim=0))
-            w2.append(per_projection["down"])
-        layer.w13_dense = torch.nn.Parameter(torch.stack(w13), requires_grad=False)
-        layer.w2_dense = torch.nn.Parameter(torch.stack(w2), requires_grad=False)
+            if local not in self.placed:
+                got = {p for (e, p) in leftovers if e == local}
+                missing = next(p for p in PROJECTIONS if p not in got) if len(got) < 3 else "gate"
+                name = self._checkpoint_name(global_id, missing)
+                have = sorted(leftovers.get((local, missing), {}))
+                raise Exl3FormatError(f"{name}: incomplete in the checkpoint (received {have or 'nothing'})")
+        experts = [self.placed[e] for e in range(self.num_local_experts)]
+        arena = self.placement.arena
+        tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
+        crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.crop_offset)
+        self.kernel = TableMoE(experts, tables, arena, crop, self.params_dtype)
+        del self.placed
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        if self.placement.recording:
+            self.placement.record(self.layer_index, topk_ids)
         expert_map = layer.expert_map
         if expert_map is not None:
             local = expert_map[topk_ids.long()]
             topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
             topk_ids = local.clamp(min=0)
-        return moe_forward(
-            x, layer.w13_dense, layer.w2_dense, topk_weights, topk_ids.long(), layer.apply_router_weight_on_input
-        )
+        return self.kernel.forward(x, topk_weights, topk_ids.long(), layer.apply_router_weight_on_input)

@@ -1,0 +1,104 @@
+"""One process's expert placement: the plan, the host arena it implies, and routing statistics.
+
+Made once per process at the first MoE layer's create_weights, from the checkpoint's headers, so the
+arena is sized exactly before a single expert is loaded and each expert goes straight to its tier.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..exl3.naming import PROJECTIONS
+from ..exl3.validate import CheckpointSummary
+from ..kernels.pointer_tables import host_record_bytes
+from ..memory.arena import HostArena
+from ..placement import ModelIdentity, RoutingCounts, load_plan, plan_placement
+from .expert_slices import ExpertGeometry
+from .offload_options import OffloadOptions
+
+logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, so it shares its handlers
+GIB = 1 << 30
+
+
+def _arena_numa_node(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    from ..memory.topology import numa_node_of_gpu
+
+    return numa_node_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class ProcessPlacement:
+    def __init__(
+        self, options: OffloadOptions, summary: CheckpointSummary, geometry: ExpertGeometry, device: torch.device
+    ) -> None:
+        layout = summary.layout
+        self.options = options
+        self.geometry = geometry
+        self.moe_layers = layout.moe_layers
+        self.num_experts = layout.num_experts
+        self.record_bytes = np.array(
+            [[self._record_bytes(summary, layer, e) for e in range(layout.num_experts)] for layer in layout.moe_layers],
+            dtype=np.int64,
+        )
+        self.identity = ModelIdentity.from_expert_bytes(
+            layout.architecture, layout.num_layers, layout.moe_layers, geometry.tp_size, self.record_bytes
+        )
+        self.gpu_tier, source = self._plan()
+        host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
+        self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
+        self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
+        self.recording = options.record_stats is not None
+        if self.recording and geometry.tp_rank == 0:
+            atexit.register(self.save_stats, options.record_stats)
+        n_host = int((~self.gpu_tier).sum())
+        logger.info(
+            "expert placement (tp rank %d): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
+            "%.1f MiB of expert trellises in the GPU tier; plan from %s",
+            geometry.tp_rank, n_host, self.gpu_tier.size, host_bytes / 2**20,
+            "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
+            self.record_bytes[self.gpu_tier].sum() / 2**20, source,
+        )
+
+    def _record_bytes(self, summary: CheckpointSummary, layer: int, expert: int) -> int:
+        sets = {}
+        for projection in PROJECTIONS:
+            prefix = summary.layout.expert_prefix(layer, expert, projection)
+            sets[projection] = self.geometry.rank_slice(summary.linears[prefix].tensors(), prefix, projection)[0]
+        return host_record_bytes(sets)
+
+    def _plan(self) -> tuple[np.ndarray, str]:
+        o = self.options
+        if o.plan is not None:
+            return load_plan(o.plan, self.identity), f"plan file {o.plan}"
+        if o.gpu_budget_gib is not None:
+            counts = None if o.stats is None else RoutingCounts.load(o.stats, self.identity).counts
+            plan = plan_placement(self.record_bytes, o.gpu_budget_gib * GIB, counts)
+            return plan, f"gpu_budget_gib={o.gpu_budget_gib}" + (f" with statistics {o.stats}" if counts is not None else "")
+        if o.host_fraction is not None:
+            n_host = round(o.host_fraction * self.num_experts)
+            plan = np.ones((len(self.moe_layers), self.num_experts), dtype=bool)
+            plan[:, self.num_experts - n_host :] = False
+            return plan, f"host_fraction={o.host_fraction} (the last {n_host} experts of each layer)"
+        return np.ones((len(self.moe_layers), self.num_experts), dtype=bool), "no expert_offload option (all GPU)"
+
+    def row(self, layer: int) -> int:
+        return self.moe_layers.index(layer)
+
+    def in_gpu_tier(self, layer: int, expert: int) -> bool:
+        return bool(self.gpu_tier[self.row(layer), expert])
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Count selections on the device (no host sync, so it is safe inside CUDA graphs)."""
+        ids = topk_ids.reshape(-1).long()
+        self.counts[self.row(layer)].index_add_(0, ids, torch.ones_like(ids))
+
+    def save_stats(self, path: Path) -> None:
+        counts = RoutingCounts(self.counts.cpu().numpy(), self.moe_layers, self.identity)
+        counts.save(path)
+        logger.info("routing statistics written to %s (%d selections)", path, int(counts.counts.sum()))

@@ -1,0 +1,78 @@
+"""Reference MoE kernel over per-expert pointer tables (any device torch runs on).
+
+It reads every trellis through its table entry, exactly as exllamav3's expert kernels do on a GPU,
+and decodes only the experts the batch routed to. On a CPU this is the production path: a host-tier
+expert costs a decode per use, just as on a GPU it costs a PCIe read per use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..exl3.decode import dequantize
+from ..exl3.tensors import Exl3Linear
+from ..memory.arena import HostArena
+from .pointer_tables import PlacedExpert, PointerTables, gpu_tier_registry, read_trellis
+
+
+@dataclass
+class ExpertCrop:
+    """Where this rank's intermediate channels sit inside each placed (128-aligned) projection."""
+
+    hidden: int
+    intermediate: int
+    offset: int
+
+
+class TableMoE:
+    def __init__(
+        self,
+        experts: Sequence[PlacedExpert],
+        tables: PointerTables,
+        arena: HostArena | None,
+        crop: ExpertCrop,
+        dtype: torch.dtype,
+    ) -> None:
+        self.experts = list(experts)
+        self.tables = tables
+        self.arena = arena
+        self.registry = gpu_tier_registry(self.experts)
+        self.crop = crop
+        self.dtype = dtype
+
+    def _linear(self, expert: int, projection: str) -> Exl3Linear:
+        placed = self.experts[expert].projections[projection]
+        address = int(self.tables.table(projection, "trellis")[expert])
+        source: HostArena | Mapping[int, torch.Tensor] = (
+            self.registry if bool(self.tables.in_gpu_tier[expert]) else self.arena
+        )
+        return replace(placed, trellis=read_trellis(address, placed.trellis.shape, source))
+
+    def _weights(self, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.crop
+        rows = slice(c.offset, c.offset + c.intermediate)
+        gate = dequantize(self._linear(expert, "gate"))[rows, : c.hidden]
+        up = dequantize(self._linear(expert, "up"))[rows, : c.hidden]
+        down = dequantize(self._linear(expert, "down"))[: c.hidden, rows]
+        w13 = torch.cat((gate, up)).to(device, self.dtype)
+        return w13, down.to(device, self.dtype)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
+    ) -> torch.Tensor:
+        """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
+        out = torch.zeros_like(x)
+        weights = topk_weights.to(x.dtype)
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
+            w13, w2 = self._weights(expert, x.device)
+            route = weights[tokens, slots, None]
+            xe = x[tokens] * route if apply_router_weight_on_input else x[tokens]
+            gate, up = F.linear(xe, w13).chunk(2, dim=-1)
+            ye = F.linear(F.silu(gate) * up, w2)
+            out.index_add_(0, tokens, ye if apply_router_weight_on_input else ye * route)
+        return out
