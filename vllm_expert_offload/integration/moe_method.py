@@ -14,7 +14,7 @@ from ..exl3.naming import PROJECTIONS
 from ..kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
 from ..kernels.table_moe import ExpertCrop, TableMoE
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
-from .expert_slices import ExpertGeometry
+from .expert_plan import ExpertGeometry
 from .offload_options import parse_offload_options
 from .placement_state import ProcessPlacement
 

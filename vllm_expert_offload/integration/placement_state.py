@@ -10,19 +10,15 @@ import atexit
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..exl3.naming import PROJECTIONS
 from ..exl3.validate import CheckpointSummary
-from ..kernels.pointer_tables import host_record_bytes
 from ..memory.arena import HostArena
-from ..placement import ModelIdentity, RoutingCounts, load_plan, plan_placement
-from .expert_slices import ExpertGeometry
+from ..placement import RoutingCounts
+from .expert_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from .offload_options import OffloadOptions
 
 logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, so it shares its handlers
-GIB = 1 << 30
 
 
 def _arena_numa_node(device: torch.device) -> int | None:
@@ -37,19 +33,12 @@ class ProcessPlacement:
     def __init__(
         self, options: OffloadOptions, summary: CheckpointSummary, geometry: ExpertGeometry, device: torch.device
     ) -> None:
-        layout = summary.layout
         self.options = options
         self.geometry = geometry
-        self.moe_layers = layout.moe_layers
-        self.num_experts = layout.num_experts
-        self.record_bytes = np.array(
-            [[self._record_bytes(summary, layer, e) for e in range(layout.num_experts)] for layer in layout.moe_layers],
-            dtype=np.int64,
-        )
-        self.identity = ModelIdentity.from_expert_bytes(
-            layout.architecture, layout.num_layers, layout.moe_layers, geometry.tp_size, self.record_bytes
-        )
-        self.gpu_tier, source = self._plan()
+        self.moe_layers = summary.layout.moe_layers
+        self.record_bytes = record_bytes_matrix(summary, geometry)
+        self.identity = model_identity(summary, geometry.tp_size, self.record_bytes)
+        self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity)
         host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
@@ -64,28 +53,6 @@ class ProcessPlacement:
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
             self.record_bytes[self.gpu_tier].sum() / 2**20, source,
         )
-
-    def _record_bytes(self, summary: CheckpointSummary, layer: int, expert: int) -> int:
-        sets = {}
-        for projection in PROJECTIONS:
-            prefix = summary.layout.expert_prefix(layer, expert, projection)
-            sets[projection] = self.geometry.rank_slice(summary.linears[prefix].tensors(), prefix, projection)[0]
-        return host_record_bytes(sets)
-
-    def _plan(self) -> tuple[np.ndarray, str]:
-        o = self.options
-        if o.plan is not None:
-            return load_plan(o.plan, self.identity), f"plan file {o.plan}"
-        if o.gpu_budget_gib is not None:
-            counts = None if o.stats is None else RoutingCounts.load(o.stats, self.identity).counts
-            plan = plan_placement(self.record_bytes, o.gpu_budget_gib * GIB, counts)
-            return plan, f"gpu_budget_gib={o.gpu_budget_gib}" + (f" with statistics {o.stats}" if counts is not None else "")
-        if o.host_fraction is not None:
-            n_host = round(o.host_fraction * self.num_experts)
-            plan = np.ones((len(self.moe_layers), self.num_experts), dtype=bool)
-            plan[:, self.num_experts - n_host :] = False
-            return plan, f"host_fraction={o.host_fraction} (the last {n_host} experts of each layer)"
-        return np.ones((len(self.moe_layers), self.num_experts), dtype=bool), "no expert_offload option (all GPU)"
 
     def row(self, layer: int) -> int:
         return self.moe_layers.index(layer)

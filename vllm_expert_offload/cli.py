@@ -1,0 +1,37 @@
+"""The `vllm-expert-offload` console script: argument parsing and dispatch only (commands live in tools/)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .exl3.errors import Exl3FormatError
+from .tools import check_kv_cmd, inspect_cmd, plan_cmd, quantize_cmd, topology_cmd
+
+COMMANDS = (inspect_cmd, quantize_cmd, plan_cmd, topology_cmd, check_kv_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-expert-offload", description="Tools for serving EXL3 MoE checkpoints with vllm-expert-offload."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status 2 with one `error:` line for a bad checkpoint or flag: the message already names the
+    tensor, file or flag at fault, so a traceback would only bury it."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except Exl3FormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

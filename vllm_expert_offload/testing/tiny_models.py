@@ -1,0 +1,235 @@
+"""Tiny EXL3 MoE checkpoints built at test time: random HF weights -> EXL3, with a locally trained tokenizer.
+
+Nothing is downloaded. Builds are cached under a content hash (architecture, options, the code that builds
+them, library versions), so a test session pays for each fixture once and a code change rebuilds it.
+
+Sizes are chosen so that every quantized dim splits into 128-element Hadamard blocks at tensor-parallel 2,
+and attention head dims are ones vLLM's CPU attention supports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..exl3.codebook import Codebook
+from ..exl3.convert import convert_checkpoint, write_dense_twin
+
+CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"
+DEFAULT_CACHE = Path("~/.cache/vllm-expert-offload/fixtures")
+
+_COMMON: dict[str, Any] = {"num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 2048,
+                           "tie_word_embeddings": False, "num_experts_per_tok": 2}
+# transformers model_type -> config overrides.
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": _COMMON | {
+        "hidden_size": 128, "num_experts": 8, "moe_intermediate_size": 256, "intermediate_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    "mixtral": _COMMON | {
+        "hidden_size": 256, "num_local_experts": 8, "intermediate_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 4,  # head_dim 256 / 4 = 64
+    },
+    "deepseek_v3": _COMMON | {
+        "hidden_size": 256, "first_k_dense_replace": 1, "intermediate_size": 512, "n_routed_experts": 8,
+        "n_shared_experts": 1, "moe_intermediate_size": 256, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        # 8 heads, not 4: q_proj has heads * (64 + 32) outputs, and only 8 heads give 128-multiples per TP-2 rank.
+        # q_lora_rank None: vLLM then keeps q_proj and kv_a_proj_with_mqa separate instead of fusing
+        # q_a_proj with kv_a_proj_with_mqa into one module (fused_qkv_a_proj) of two differently padded shards.
+        "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None, "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+    },
+}
+ARCHITECTURES = tuple(ARCH_CONFIGS)
+# transformers 5 saves some keys under its own new names; fixtures use the names published checkpoints have.
+HUB_CONFIG_KEYS: dict[str, dict[str, str]] = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+MODEL_DTYPE = torch.bfloat16
+# DeepSeek's routing bias starts at zero in transformers; a small random one makes its handling observable.
+ROUTING_BIAS_STD = 0.05
+
+# Tokenizer: byte-level BPE trained on ~29 KB of English prose and Python docs from the standard library.
+TOKENIZER_VOCAB = 780
+CORPUS_CHARS = 29_000
+CORPUS_MODULES = ("json", "textwrap", "collections", "functools", "itertools", "string", "heapq")
+BOS, EOS, PAD = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_SAMPLE = """<|im_start|>system
+You are a helpful assistant.<|im_end|>
+<|im_start|>user
+Write a function that adds two numbers.<|im_end|>
+<|im_start|>assistant
+def add(a, b):
+    return a + b<|im_end|>
+"""
+
+
+def fixture_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
+def _corpus() -> str:
+    with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen of Python
+        import this
+    texts = ["".join(this.d.get(c, c) for c in this.s), CHAT_SAMPLE]
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        texts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if not attr.startswith("_") and getattr(obj, "__module__", None) == module.__name__:
+                texts.append(inspect.getdoc(obj) or "")
+    return "\n\n".join(t for t in texts if t)[:CORPUS_CHARS]
+
+
+def write_tokenizer(out_dir: Path) -> dict[str, int]:
+    """Train the byte-level BPE and save it with a ChatML template; returns the special token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator([_corpus()], trainer=trainer)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "unk_token": None, "add_bos_token": False, "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+    }, indent=2) + "\n")
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    return {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+
+
+def _write_generation_config(out_dir: Path, ids: dict[str, int]) -> None:
+    # Chat ends on <|im_end|>, plain completion on <|endoftext|>.
+    eos = [ids["eos_token_id"], ids["bos_token_id"]]
+    (out_dir / "generation_config.json").write_text(json.dumps({**ids, "eos_token_id": eos}, indent=2) + "\n")
+
+
+def build_hf_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
+    """The random source model in HF layout (bf16 safetensors, tokenizer, generation config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = write_tokenizer(out_dir)
+    config = AutoConfig.for_model(arch, **ARCH_CONFIGS[arch], **ids)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPE)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, ROUTING_BIAS_STD)
+    model.save_pretrained(out_dir)
+    config_file = out_dir / "config.json"
+    saved = json.loads(config_file.read_text())
+    renames = HUB_CONFIG_KEYS.get(arch, {})
+    config_file.write_text(json.dumps({renames.get(k, k): v for k, v in saved.items()}, indent=2) + "\n")
+    _write_generation_config(out_dir, ids)
+    return out_dir
+
+
+# Modules whose source decides what a fixture contains; their text is part of every cache key.
+BUILD_CODE = ("vllm_expert_offload.testing.tiny_models", "vllm_expert_offload.exl3.convert")
+ENCODE_CODE = ("vllm_expert_offload.exl3.encode", "vllm_expert_offload.exl3.ring", "vllm_expert_offload.exl3.tile")
+DECODE_CODE = ("vllm_expert_offload.exl3.decode", "vllm_expert_offload.exl3.ring", "vllm_expert_offload.exl3.tile",
+               "vllm_expert_offload.exl3.codebook", "vllm_expert_offload.exl3.hadamard")
+
+
+def _digest(parts: Sequence[bytes]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:16]
+
+
+def _cache_key(spec: Mapping[str, Any], code: Sequence[str]) -> str:
+    import tokenizers
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "tokenizers": tokenizers.__version__}
+    sources = [Path(importlib.import_module(name).__file__).read_bytes() for name in sorted({*BUILD_CODE, *code})]
+    return _digest([json.dumps({"spec": spec, "versions": versions}, sort_keys=True).encode(), *sources])
+
+
+def cached_fixture(
+    name: str, spec: Mapping[str, Any], build: Callable[[Path], None], *, code: Sequence[str] = (),
+    root: str | Path | None = None,
+) -> Path:
+    """`root/name-<key>`, built by `build(empty_dir)` unless present. The key hashes `spec` (JSON), library
+    versions and the source of the modules in `code`, so a code change rebuilds instead of serving stale bytes.
+
+    The build goes to a temporary sibling that is renamed into place: a directory that exists is complete,
+    and concurrent test workers at worst build the same thing twice.
+    """
+    final = Path(root if root is not None else fixture_cache_dir()) / f"{name}-{_cache_key(spec, code)}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build(work)
+        os.replace(work, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def build_tiny_model(
+    out_dir: str | Path | None, arch: str, *, k: float = 3, head_bits: float = 6, seed: int = 0,
+    encoder: str = "random",
+) -> Path:
+    """An EXL3 checkpoint of a random tiny `arch` model under `out_dir` (None: the fixture cache), in a
+    content-keyed directory; an existing build is reused."""
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"arch {arch!r}: expected one of {list(ARCHITECTURES)}")
+    spec = {"arch": arch, "k": k, "head_bits": head_bits, "seed": seed, "encoder": encoder}
+
+    def build(work: Path) -> None:
+        with tempfile.TemporaryDirectory() as source:
+            build_hf_model(Path(source), arch, seed)
+            convert_checkpoint(source, work, bits=k, head_bits=head_bits, codebook=Codebook.MUL1,
+                               encoder=encoder, seed=seed, progress=False)
+
+    code = ENCODE_CODE if encoder == "viterbi" else ()
+    return cached_fixture(f"{arch}-k{k}-h{head_bits}-{encoder}-s{seed}", spec, build, code=code, root=out_dir)
+
+
+def build_dense_twin(
+    exl3_dir: str | Path, out_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> Path:
+    """The dequantized HF twin of `exl3_dir`: written to `out_dir`, or without one cached under a key that
+    includes the EXL3 checkpoint's bytes (tiny fixtures hash in milliseconds)."""
+    exl3_dir = Path(exl3_dir)
+    if out_dir is not None:
+        return write_dense_twin(exl3_dir, out_dir, dtype)
+    files = [exl3_dir / "config.json", *sorted(exl3_dir.glob("*.safetensors"))]
+    dtype_name = str(dtype).removeprefix("torch.")
+    spec = {"twin": dtype_name, "checkpoint": _digest([f.read_bytes() for f in files if f.is_file()])}
+    return cached_fixture(
+        f"{exl3_dir.name}-twin-{dtype_name}", spec, lambda work: write_dense_twin(exl3_dir, work, dtype),
+        code=DECODE_CODE,
+    )

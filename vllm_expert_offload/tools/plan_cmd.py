@@ -1,0 +1,92 @@
+"""`plan`: make a per-expert placement plan for a checkpoint and explain every byte of it.
+
+Runs on any machine (headers only, no weights, no GPU), so a plan can be made and reviewed before a
+300 GB model is ever loaded; serve it with `--additional-config '{"expert_offload": {"plan": FILE}}'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..exl3.checkpoint import Exl3Checkpoint, split_name
+from ..exl3.validate import CheckpointSummary, validate_checkpoint
+from ..integration.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
+from ..integration.offload_options import OffloadOptions
+from ..placement import Ledger, save_plan
+
+DENSE_BYTES_PER_WEIGHT = 2  # this version runs dense EXL3 linears dequantized to fp16/bf16
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="place each routed expert in the GPU or host tier and print the memory ledger",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--model", required=True, type=Path, help="EXL3 checkpoint directory")
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--gpu-budget-gib", type=float, help="GiB of GPU memory for routed experts, per GPU")
+    how.add_argument("--host-fraction", type=float, help="share of each layer's experts to put on host")
+    parser.add_argument("--stats", type=Path, help="routing statistics (from record_stats) to weigh host reads")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size the plan is for")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="KV cache per GPU, for the ledger")
+    parser.add_argument("--gpu-memory-gib", type=float, help="GPU capacity; refuses a plan that does not fit")
+    parser.add_argument("--margin", type=float, default=0.03, help="share of GPU memory kept free (default 0.03)")
+    parser.add_argument("--out", required=True, type=Path, help="plan file to write")
+    parser.set_defaults(handler=run)
+
+
+def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int) -> int:
+    """Everything on each GPU besides routed-expert trellises: unquantized tensors, dense EXL3 linears as this
+    version runs them (dequantized), and every expert's suh/svh (they stay on the GPU). Split evenly over TP:
+    an estimate, since norms and routers are replicated."""
+    expert_prefixes = {
+        summary.layout.expert_prefix(layer, e, p)
+        for layer in summary.layout.moe_layers for e in range(summary.layout.num_experts)
+        for p in ("gate", "up", "down")
+    }
+    total = 0
+    for name, (shape, dtype) in ckpt.header_shapes().items():
+        prefix, suffix = split_name(name)
+        if prefix in summary.linears:
+            lin = summary.linears[prefix]
+            if prefix not in expert_prefixes and suffix == "trellis":
+                total += lin.in_features * lin.out_features * DENSE_BYTES_PER_WEIGHT
+            elif prefix in expert_prefixes and suffix in ("suh", "svh"):
+                total += 2 * shape[0]
+            continue
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += count * {"F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1}.get(dtype, 2)
+    return total // tp
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = Exl3Checkpoint.open(args.model)
+    summary = validate_checkpoint(ckpt)
+    if summary.layout is None:
+        print(f"error: {args.model}: no routed experts of a supported architecture to place")
+        return 2
+    layout = summary.layout
+    if layout.intermediate_size % args.tp:
+        print(f"error: --tp {args.tp} does not divide the expert intermediate size {layout.intermediate_size}")
+        return 2
+    geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // args.tp, 0, args.tp)
+    sizes = record_bytes_matrix(summary, geometry)
+    identity = model_identity(summary, args.tp, sizes)
+    options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
+    plan, source = make_plan(options, sizes, identity)
+    ledger = Ledger.from_plan(
+        plan, sizes, non_expert_bytes=_non_expert_device_bytes(ckpt, summary, args.tp),
+        kv_cache_bytes=int(args.kv_cache_gib * GIB),
+    )
+    capacity = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
+    print(f"plan for {args.model} (TP {args.tp}, per GPU), from {source}")
+    print(ledger.format_table(capacity, args.margin))
+    if capacity is not None:
+        ledger.check_fits(capacity, args.margin)
+    budget = None if args.gpu_budget_gib is None else int(args.gpu_budget_gib * GIB)
+    save_plan(args.out, plan, identity, budget_bytes=budget)
+    print(f"wrote {args.out}: serve with --additional-config '{{\"expert_offload\": {{\"plan\": \"{args.out}\"}}}}'")
+    return 0
