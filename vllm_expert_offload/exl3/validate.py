@@ -63,7 +63,21 @@ def _header_linears(ckpt: Exl3Checkpoint) -> dict[str, Exl3Linear]:
     return linears
 
 
-def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], names: list[str]) -> dict[int, list[int]]:
+def _check_uniform(layout: MoeLayout, linears: dict[str, Exl3Linear], layer: int, projection: str) -> None:
+    first = linears[layout.expert_prefix(layer, 0, projection)]
+    for expert in range(1, layout.num_experts):
+        lin = linears[layout.expert_prefix(layer, expert, projection)]
+        if (lin.k, lin.codebook) != (first.k, first.codebook):
+            raise Exl3FormatError(
+                f"{lin.name}.trellis: K={lin.k:g} {lin.codebook.value}, but expert 0 of layer {layer} has "
+                f"K={first.k:g} {first.codebook.value}; the selected MoE kernel needs one K and codebook per "
+                f"projection and layer (exllamav3 writes checkpoints that way)"
+            )
+
+
+def _check_experts(
+    layout: MoeLayout, linears: dict[str, Exl3Linear], names: list[str], uniform_k: bool
+) -> dict[int, list[int]]:
     expert_bytes: dict[int, list[int]] = {}
     for layer in layout.moe_layers:
         per_expert = []
@@ -78,6 +92,9 @@ def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], names: lis
                 total += lin.nbytes()
             per_expert.append(total)
         expert_bytes[layer] = per_expert
+        if uniform_k:
+            for projection in PROJECTIONS:
+                _check_uniform(layout, linears, layer, projection)
     root = re.escape(layout.expert_root).replace(r"\{layer\}", r"(\d+)")
     pattern = re.compile(rf"^{root}\.(\d+)\.")
     for name in names:
@@ -90,10 +107,13 @@ def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], names: lis
     return expert_bytes
 
 
-def validate_checkpoint(ckpt: Exl3Checkpoint) -> CheckpointSummary:
-    """Check every EXL3 tensor set from headers (markers are read, they are 4 bytes) and every routed expert."""
+def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False) -> CheckpointSummary:
+    """Check every EXL3 tensor set from headers (markers are read, they are 4 bytes) and every routed expert.
+
+    `uniform_expert_k`: the MoE kernel that will run needs one K and codebook per projection and layer
+    (exllamav3's fused kernels do); the CPU table kernel decodes each expert on its own and mixes freely."""
     linears = _header_linears(ckpt)
     layout = moe_layout(ckpt.hf_config)
-    expert_bytes = _check_experts(layout, linears, list(ckpt.tensor_files)) if layout else {}
+    expert_bytes = _check_experts(layout, linears, list(ckpt.tensor_files), uniform_expert_k) if layout else {}
     suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
     return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes)

@@ -31,7 +31,10 @@ CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/vllm-expert-offload/fixtures")
 
 _COMMON: dict[str, Any] = {"num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 2048,
-                           "tie_word_embeddings": False, "num_experts_per_tok": 2}
+                           "tie_word_embeddings": False, "num_experts_per_tok": 2,
+                           # 5x transformers' 0.02: sharper logits, so greedy steps are decided by margins far
+                           # above float32 rounding and token-level comparisons run the whole sequence.
+                           "initializer_range": 0.1}
 # transformers model_type -> config overrides.
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": _COMMON | {
@@ -47,6 +50,9 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_size": 256, "first_k_dense_replace": 1, "intermediate_size": 512, "n_routed_experts": 8,
         "n_shared_experts": 1, "moe_intermediate_size": 256, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 2.5,
+        # What HF's DeepseekV3 always does, spelled out as published configs do: vLLM reads these keys and
+        # would otherwise default to softmax scoring without the routing bias.
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
         # 8 heads, not 4: q_proj has heads * (64 + 32) outputs, and only 8 heads give 128-multiples per TP-2 rank.
         # q_lora_rank None: vLLM then keeps q_proj and kv_a_proj_with_mqa separate instead of fusing
         # q_a_proj with kv_a_proj_with_mqa into one module (fused_qkv_a_proj) of two differently padded shards.

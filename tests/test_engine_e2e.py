@@ -1,0 +1,96 @@
+"""End to end on the real vLLM CPU engine: EXL3 checkpoints served by the plugin must produce the same
+greedy tokens as HF transformers running the dequantized dense twin in float32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
+from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
+from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 24
+
+
+def _prompts() -> list[list[int]]:
+    """Three prompts, the longest spanning more than three 128-token blocks."""
+    rng = random.Random(1234)
+    return [[rng.randrange(3, 700) for _ in range(n)] for n in (7, 90, 400)]
+
+
+class Model:
+    """One tiny checkpoint, its reference tokens, and every engine run made on it (engine starts are slow)."""
+
+    _cache: dict[str, "Model"] = {}
+
+    def __init__(self, arch: str) -> None:
+        self.exl3 = str(build_tiny_model(None, arch))
+        self.prompts = _prompts()
+        self.reference = hf_greedy(str(build_dense_twin(self.exl3)), self.prompts, MAX_TOKENS)
+        self.runs: dict[str, list[list[int]]] = {}
+
+    @classmethod
+    def get(cls, arch: str) -> "Model":
+        if arch not in cls._cache:
+            cls._cache[arch] = cls(arch)
+        return cls._cache[arch]
+
+    def generate(self, **engine_kwargs) -> list[list[int]]:
+        key = repr(sorted(engine_kwargs.items()))
+        if key not in self.runs:
+            self.runs[key] = generate_greedy(EngineSpec(self.exl3, self.prompts, MAX_TOKENS, **engine_kwargs))
+        return self.runs[key]
+
+    def check(self, **engine_kwargs) -> list[list[int]]:
+        got = self.generate(**engine_kwargs)
+        result = compare_greedy(self.reference, got)
+        print(f"{self.exl3} {engine_kwargs}: {result}")
+        assert result.matched, str(result)
+        assert result.compared_steps >= MAX_TOKENS, f"too few comparable steps: {result}"
+        return got
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def model(request) -> Model:
+    return Model.get(request.param)
+
+
+def _offload(host_fraction: float | None) -> dict:
+    return {} if host_fraction is None else {"additional_config": {"expert_offload": {"host_fraction": host_fraction}}}
+
+
+@pytest.mark.parametrize(("block_size", "host_fraction"), [(64, 1.0), (128, 0.5), (128, None)])
+def test_greedy_tokens_match_dense_reference(model: Model, block_size: int, host_fraction: float | None) -> None:
+    """Placement must never change results: all experts on host, half, and none give the reference tokens."""
+    model.check(block_size=block_size, **_offload(host_fraction))
+
+
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_other_block_sizes_with_every_expert_in_host_tier(block_size: int) -> None:
+    """The longest prompt spans more than three blocks at every size."""
+    Model.get("qwen3_moe").check(block_size=block_size, **_offload(1.0))
+
+
+def test_deepseek_v3_matches_stock_vllm_on_dense_twin() -> None:
+    """DeepSeek-V3 style: shared experts, a dense first layer, sigmoid routing with a correction bias and a
+    routed scaling factor. The reference here is stock vLLM on the dense twin, not HF: vLLM's own DeepSeek
+    model and HF's already disagree on this tiny config at the first token, plugin or not (measured), so
+    only vLLM-vs-vLLM isolates what the plugin does. vLLM's CPU MLA backend takes only head size 576
+    (kv_lora_rank 512 + rope 64), far too big for a tiny fixture; with MLA disabled vLLM runs the same
+    weights through plain attention (kv_b_proj expanded)."""
+    exl3 = str(build_tiny_model(None, "deepseek_v3"))
+    env = {"VLLM_MLA_DISABLE": "1"}
+    offload = {"expert_offload": {"host_fraction": 0.5}}
+    prompts = _prompts()
+    reference = generate_greedy(EngineSpec(str(build_dense_twin(exl3)), prompts, MAX_TOKENS, extra_env=env))
+    got = generate_greedy(EngineSpec(exl3, prompts, MAX_TOKENS, extra_env=env, additional_config=offload))
+    assert got == reference
+
+
+def test_tensor_parallel_2_matches_tensor_parallel_1() -> None:
+    model = Model.get("qwen3_moe")
+    tp1 = model.check(block_size=64, **_offload(1.0))
+    assert model.generate(block_size=64, tensor_parallel_size=2, **_offload(1.0)) == tp1

@@ -1,0 +1,45 @@
+"""`vllm serve` with the plugin, half of each layer's experts in the host tier, at tensor parallel 2,
+queried with the openai client: completions and chat completions give the dense reference's tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
+from vllm_expert_offload.testing.server import vllm_server
+from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 16
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
+    model = build_tiny_model(None, "qwen3_moe")
+    twin = str(build_dense_twin(model))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt_ids = tokenizer("Beautiful is better than ugly. Explicit is better than implicit.").input_ids
+    messages = [{"role": "user", "content": "What does the json module do?"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else list(chat_ids)
+    reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
+
+    offload = {"expert_offload": {"host_fraction": 0.5}}
+    args = ["--block-size", "64", "--additional-config", json.dumps(offload)]
+    log = tmp_path / "serve.log"
+    with vllm_server(model, args, tensor_parallel_size=2, log_path=log) as base_url:
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        completion = client.completions.create(model=name, prompt=prompt_ids, **GREEDY)
+        chat = client.chat.completions.create(model=name, messages=messages, **GREEDY)
+
+    got = [completion.choices[0].token_ids, chat.choices[0].token_ids]
+    result = compare_greedy(reference, got)
+    assert result.matched, str(result)
+    assert chat.choices[0].message.content == tokenizer.decode(got[1], skip_special_tokens=True)
+    placements = [line for line in log.read_text().splitlines() if "expert placement" in line]
+    assert len(placements) == 2 and all("8 of 16 routed experts in the host tier" in p for p in placements)
