@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from .config import Exl3QuantConfig, parse_quant_config
 from .errors import Exl3FormatError
-from .tensors import KNOWN_SUFFIXES, Exl3Linear, parse_linear
+from .tensors import Exl3Linear, parse_linear
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -71,12 +71,13 @@ class Exl3Checkpoint:
         return [prefix for prefix, suffix in map(split_name, self.tensor_files) if suffix == "trellis"]
 
     def linear_tensor_names(self) -> dict[str, dict[str, str]]:
-        """prefix -> {suffix: full name} for every module with a trellis."""
+        """prefix -> {suffix: full name} for every module with a trellis, unknown suffixes included so that
+        parse_linear can refuse them by name."""
         groups: dict[str, dict[str, str]] = defaultdict(dict)
         quantized = set(self.quantized_prefixes())
         for name in self.tensor_files:
             prefix, suffix = split_name(name)
-            if prefix in quantized and suffix in KNOWN_SUFFIXES | {"scale"}:
+            if prefix in quantized:
                 groups[prefix][suffix] = name
         return dict(groups)
 

@@ -75,9 +75,20 @@ def _check_uniform(layout: MoeLayout, linears: dict[str, Exl3Linear], layer: int
             )
 
 
-def _check_experts(
-    layout: MoeLayout, linears: dict[str, Exl3Linear], names: list[str], uniform_k: bool
-) -> dict[int, list[int]]:
+def _check_expert_names(layout: MoeLayout, names: list[str]) -> None:
+    """Tensors of experts or layers the model does not have, refused before any set is parsed."""
+    root = re.escape(layout.expert_root).replace(r"\{layer\}", r"(\d+)")
+    pattern = re.compile(rf"^{root}\.(\d+)\.")
+    for name in names:
+        match = pattern.match(name)
+        if match and (int(match.group(1)) not in layout.moe_layers or int(match.group(2)) >= layout.num_experts):
+            raise Exl3FormatError(
+                f"{name}: unexpected tensor (layer {match.group(1)} has experts 0..{layout.num_experts - 1}"
+                f"{'' if int(match.group(1)) in layout.moe_layers else ' and is not an MoE layer'})"
+            )
+
+
+def _check_experts(layout: MoeLayout, linears: dict[str, Exl3Linear], uniform_k: bool) -> dict[int, list[int]]:
     expert_bytes: dict[int, list[int]] = {}
     for layer in layout.moe_layers:
         per_expert = []
@@ -95,15 +106,6 @@ def _check_experts(
         if uniform_k:
             for projection in PROJECTIONS:
                 _check_uniform(layout, linears, layer, projection)
-    root = re.escape(layout.expert_root).replace(r"\{layer\}", r"(\d+)")
-    pattern = re.compile(rf"^{root}\.(\d+)\.")
-    for name in names:
-        match = pattern.match(name)
-        if match and (int(match.group(1)) not in layout.moe_layers or int(match.group(2)) >= layout.num_experts):
-            raise Exl3FormatError(
-                f"{name}: unexpected tensor (layer {match.group(1)} has experts 0..{layout.num_experts - 1}"
-                f"{'' if int(match.group(1)) in layout.moe_layers else ' and is not an MoE layer'})"
-            )
     return expert_bytes
 
 
@@ -112,8 +114,10 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
 
     `uniform_expert_k`: the MoE kernel that will run needs one K and codebook per projection and layer
     (exllamav3's fused kernels do); the CPU table kernel decodes each expert on its own and mixes freely."""
-    linears = _header_linears(ckpt)
     layout = moe_layout(ckpt.hf_config)
-    expert_bytes = _check_experts(layout, linears, list(ckpt.tensor_files), uniform_expert_k) if layout else {}
+    if layout is not None:
+        _check_expert_names(layout, list(ckpt.tensor_files))
+    linears = _header_linears(ckpt)
+    expert_bytes = _check_experts(layout, linears, uniform_expert_k) if layout else {}
     suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
     return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes)
