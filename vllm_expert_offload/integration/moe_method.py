@@ -17,6 +17,7 @@ from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_load
 from .expert_plan import ExpertGeometry
 from .offload_options import parse_offload_options
 from .placement_state import ProcessPlacement
+from .profiling import install_profile_flag, profiling, spread_routing
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
@@ -76,6 +77,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.crop_offset: int | None = None
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
+        install_profile_flag()
 
     def _checkpoint_name(self, global_expert: int, projection: str) -> str:
         return self.quant_config.summary.layout.expert_prefix(self.layer_index, global_expert, projection)
@@ -138,7 +140,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
-        if self.placement.recording:
+        if profiling():
+            topk_ids = spread_routing(topk_ids, layer.global_num_experts)
+        elif self.placement.recording:
             self.placement.record(self.layer_index, topk_ids)
         expert_map = layer.expert_map
         if expert_map is not None:

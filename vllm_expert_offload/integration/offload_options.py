@@ -14,7 +14,8 @@ from typing import Any
 
 OPTION_KEY = "expert_offload"
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
-_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats"})
+_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "min_free_fraction"})
+DEFAULT_MIN_FREE_FRACTION = 0.03
 
 
 class OffloadOptionError(ValueError):
@@ -28,6 +29,7 @@ class OffloadOptions:
     host_fraction: float | None = None
     stats: Path | None = None  # routing counts that steer a budget plan
     record_stats: Path | None = None  # where serving writes the counts it observes
+    min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION  # GPU memory that must stay free after the KV cache
 
     @property
     def offloads(self) -> bool:
@@ -80,4 +82,6 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         host_fraction=_number(raw, "host_fraction", 0.0, 1.0),
         stats=_path(raw, "stats", must_exist=True),
         record_stats=_path(raw, "record_stats", must_exist=False),
+        min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5) if "min_free_fraction" in raw
+        else DEFAULT_MIN_FREE_FRACTION,
     )

@@ -15,6 +15,7 @@ import torch
 from ..exl3.validate import CheckpointSummary
 from ..memory.arena import HostArena
 from ..placement import RoutingCounts
+from .crash_line import install_crash_line
 from .expert_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from .offload_options import OffloadOptions
 
@@ -42,6 +43,8 @@ class ProcessPlacement:
         host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            install_crash_line(options.min_free_fraction, self.record_bytes[self.gpu_tier].tolist())
         self.recording = options.record_stats is not None
         if self.recording and geometry.tp_rank == 0:
             atexit.register(self.save_stats, options.record_stats)

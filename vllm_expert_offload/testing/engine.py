@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
 
 def generate_greedy(spec: EngineSpec) -> list[list[int]]:
     """Token ids generated for each prompt; raises with the child's log tail if the engine fails."""
+    return generate_timed(spec)[0]
+
+
+def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
+    """Token ids per prompt and the seconds `LLM.generate` took (engine start excluded)."""
     env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
@@ -49,11 +55,12 @@ def generate_greedy(spec: EngineSpec) -> list[list[int]]:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT "):])
+            return result["tokens"], result["generate_s"]
     raise RuntimeError(f"engine failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
 
 
-def _run(spec: EngineSpec) -> list[list[int]]:
+def _run(spec: EngineSpec) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -63,8 +70,10 @@ def _run(spec: EngineSpec) -> list[list[int]]:
         block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
     )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec.prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    elapsed = time.perf_counter() - start
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
 
 
 if __name__ == "__main__":

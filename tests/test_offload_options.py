@@ -1,0 +1,71 @@
+"""`--additional-config expert_offload` options and the crash line: bad values refused with the key named."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_expert_offload.integration.crash_line import CrashLineError, check_crash_line
+from vllm_expert_offload.integration.offload_options import OffloadOptionError, parse_offload_options
+
+GIB = 1 << 30
+
+
+def test_absent_entry_changes_nothing() -> None:
+    assert not parse_offload_options(None).offloads
+    assert not parse_offload_options({"other_plugin": {}}).offloads
+
+
+def test_valid_options(tmp_path) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text("{}")
+    opts = parse_offload_options({"expert_offload": {"gpu_budget_gib": 12.5, "stats": str(stats)}})
+    assert opts.offloads and opts.gpu_budget_gib == 12.5 and opts.stats == stats and opts.min_free_fraction == 0.03
+    assert parse_offload_options({"expert_offload": {"host_fraction": 1}}).host_fraction == 1.0
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ({"host_fraction": 1.5}, "expert_offload.host_fraction"),
+        ({"host_fraction": "half"}, "expert_offload.host_fraction"),
+        ({"host_fraction": True}, "expert_offload.host_fraction"),
+        ({"gpu_budget_gib": -1}, "expert_offload.gpu_budget_gib"),
+        ({"gpu_budget_gib": float("nan")}, "expert_offload.gpu_budget_gib"),
+        ({"plan": "/nonexistent/plan.json"}, "expert_offload.plan"),
+        ({"host_fracton": 0.5}, "expert_offload.host_fracton"),
+        ({"host_fraction": 0.5, "gpu_budget_gib": 4}, "give one of"),
+        ({"host_fraction": 0.5, "stats": "/tmp"}, "expert_offload.stats"),
+        ({"min_free_fraction": 0.9}, "expert_offload.min_free_fraction"),
+        ({"record_stats": ""}, "expert_offload.record_stats"),
+    ],
+)
+def test_bad_values_refused_with_key_named(raw: dict, named: str) -> None:
+    with pytest.raises(OffloadOptionError, match=named.replace(".", r"\.")):
+        parse_offload_options({"expert_offload": raw})
+
+
+def test_not_an_object_refused() -> None:
+    with pytest.raises(OffloadOptionError, match="expected an object"):
+        parse_offload_options({"expert_offload": 0.5})
+
+
+def test_crash_line_passes_with_margin() -> None:
+    check_crash_line(free_bytes=5 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                     gpu_memory_utilization=0.95, gpu_expert_sizes=[GIB] * 4)
+
+
+def test_crash_line_refuses_with_both_remedies() -> None:
+    # 1 GiB free of 100 GiB with a 3% line: 2 GiB short.
+    with pytest.raises(CrashLineError) as err:
+        check_crash_line(free_bytes=1 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.95, gpu_expert_sizes=[GIB // 2] * 10)
+    message = str(err.value)
+    assert "1.00 GiB of 100.00 GiB" in message and "3% crash line (3.00 GiB)" in message
+    assert "--gpu-memory-utilization to 0.930" in message
+    assert "at least 4 more experts to the host tier" in message
+
+
+def test_crash_line_when_experts_cannot_cover_it() -> None:
+    with pytest.raises(CrashLineError, match="would not free enough"):
+        check_crash_line(free_bytes=0, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB])

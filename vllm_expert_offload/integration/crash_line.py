@@ -1,0 +1,84 @@
+"""The crash line: after the KV cache is allocated, the GPU must keep a margin of free memory.
+
+Anything a CUDA kernel, NCCL or the allocator needs after startup comes out of that margin; a server
+that starts with less dies on an ordinary long prefill rather than at startup, where it belongs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from .patching import SENTINEL, HookError
+from .versions import check_vllm_version
+
+CHECKED_ON = ("0.32", "0.33")
+GIB = 1 << 30
+
+
+class CrashLineError(RuntimeError):
+    pass
+
+
+def check_crash_line(
+    free_bytes: int,
+    total_bytes: int,
+    min_free_fraction: float,
+    gpu_memory_utilization: float,
+    gpu_expert_sizes: list[int],
+) -> None:
+    """Refuse with what to change unless free >= min_free_fraction * total.
+
+    Two ways out, both stated with numbers: a lower --gpu-memory-utilization (the KV cache shrinks by the
+    shortfall), or that many more experts in the host tier (largest GPU-tier experts first)."""
+    need = int(min_free_fraction * total_bytes)
+    short = need - free_bytes
+    if short <= 0:
+        return
+    utilization = max(0.0, gpu_memory_utilization - short / total_bytes)
+    moved, experts = 0, 0
+    for size in sorted(gpu_expert_sizes, reverse=True):
+        if moved >= short:
+            break
+        moved, experts = moved + size, experts + 1
+    experts_advice = (
+        f"or move at least {experts} more experts to the host tier (expert_offload gpu_budget_gib or plan)"
+        if moved >= short
+        else "moving every GPU-tier expert to host would not free enough"
+    )
+    raise CrashLineError(
+        f"after the KV cache, {free_bytes / GIB:.2f} GiB of {total_bytes / GIB:.2f} GiB GPU memory is free, below the "
+        f"{min_free_fraction:.0%} crash line ({need / GIB:.2f} GiB); the first long prefill would run out of memory. "
+        f"Lower --gpu-memory-utilization to {utilization:.3f} or less, {experts_advice}"
+    )
+
+
+def install_crash_line(min_free_fraction: float, gpu_expert_sizes: list[int]) -> bool:
+    """Check the line right after the GPU worker allocates its KV cache (CUDA only: a CPU engine's "device"
+    memory is the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE)."""
+    series = check_vllm_version()
+    if series not in CHECKED_ON:
+        raise HookError(f"crash-line hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
+    module = sys.modules.get("vllm.v1.worker.gpu_worker")
+    if module is None:
+        return False
+    worker = module.Worker
+    original = worker.initialize_from_config
+    if getattr(original, SENTINEL, False):
+        return False
+
+    @functools.wraps(original)
+    def initialize_from_config(self, kv_cache_config):
+        result = original(self, kv_cache_config)
+        import torch
+
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_crash_line(
+                free, total, min_free_fraction, self.cache_config.gpu_memory_utilization, gpu_expert_sizes
+            )
+        return result
+
+    setattr(initialize_from_config, SENTINEL, True)
+    worker.initialize_from_config = initialize_from_config
+    return True
