@@ -1,0 +1,94 @@
+"""EXL3 format on the CPU: reference dequantization throughput and no-Hessian encoder cost.
+
+The reference decoder is what every kernel is tested against and what the CPU fallback path can use,
+so its speed bounds test and conversion times; the encoder's per-tile cost sets how large a test model
+can be quantized on a laptop. Prints markdown tables.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_format.py    # PYTHONPATH not needed once pip-installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm_expert_offload.exl3 import Codebook, Exl3Linear, dequantize
+from vllm_expert_offload.exl3.encode import encode_linear
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time over reps after one warm-up call (the warm-up fills codebook and index caches)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_layer(in_features: int, out_features: int, k: int, gen: torch.Generator) -> Exl3Linear:
+    """Any bit pattern is a valid trellis (exl3-format.md §2.5), so random bits measure decoding exactly."""
+    trellis = torch.randint(-(1 << 15), 1 << 15, (in_features // 16, out_features // 16, 16 * k), generator=gen)
+    suh = torch.randn(in_features, generator=gen).half()
+    svh = torch.randn(out_features, generator=gen).half()
+    return Exl3Linear("bench", trellis.to(torch.int16), suh, svh, Codebook.MUL1, k)
+
+
+def bench_dequantize(shapes: list[tuple[int, int]], ks: list[int], reps: int) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    rows = ["| in × out | K | time (ms) | Mweights/s |", "|---|---|---|---|"]
+    for in_features, out_features in shapes:
+        for k in ks:
+            layer = random_layer(in_features, out_features, k, gen)
+            seconds = _timed(lambda: dequantize(layer), reps)
+            rate = in_features * out_features / seconds / 1e6
+            rows.append(f"| {in_features} × {out_features} | {k} | {seconds * 1e3:.1f} | {rate:.1f} |")
+    return rows
+
+
+def bench_encode(size: int, ks: list[int]) -> list[str]:
+    weight = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    tiles = (size // 16) ** 2
+    rows = [
+        "| K | tiles | encode (s) | ms/tile | with scale search (s) | rel. MSE |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in ks:
+        start = time.perf_counter()
+        encode_linear(weight, k, scale_search=False)
+        plain = time.perf_counter() - start
+        start = time.perf_counter()
+        searched = encode_linear(weight, k)
+        with_search = time.perf_counter() - start
+        error = float((dequantize(searched) - weight).pow(2).sum() / weight.pow(2).sum())
+        rows.append(f"| {k} | {tiles} | {plain:.2f} | {plain / tiles * 1e3:.0f} | {with_search:.2f} | {error:.4f} |")
+    return rows
+
+
+def _shape(text: str) -> tuple[int, int]:
+    in_features, out_features = (int(v) for v in text.lower().split("x"))
+    return in_features, out_features
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1024x1024,2048x768", help="dequantize shapes, in x out, comma separated")
+    parser.add_argument("--ks", default="2,3,4", help="bits per weight, comma separated integers")
+    parser.add_argument("--reps", type=int, default=3, help="timed dequantize calls per case (median)")
+    parser.add_argument("--encode-size", type=int, default=128, help="side of the square Gaussian matrix to encode")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("Reference dequantization (`vllm_expert_offload.exl3.dequantize`, fp32 out, MUL1, random trellis):\n")
+    print("\n".join(bench_dequantize([_shape(s) for s in args.shapes.split(",")], ks, args.reps)))
+    print(f"\nEncoder (`encode_linear`, MUL1, {args.encode_size}×{args.encode_size} Gaussian, seed 0):\n")
+    print("\n".join(bench_encode(args.encode_size, ks)))
+
+
+if __name__ == "__main__":
+    main()
