@@ -24,8 +24,8 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt_ids = tokenizer("Beautiful is better than ugly. Explicit is better than implicit.").input_ids
     messages = [{"role": "user", "content": "What does the json module do?"}]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else list(chat_ids)
+    chat_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer(chat_text, add_special_tokens=False).input_ids  # as vLLM renders, then tokenizes
     reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
 
     offload = {"expert_offload": {"host_fraction": 0.5}}
