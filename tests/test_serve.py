@@ -29,7 +29,7 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
 
     offload = {"expert_offload": {"host_fraction": 0.5}}
-    args = ["--block-size", "64", "--additional-config", json.dumps(offload)]
+    args = ["--block-size", "64", "--dtype", "float32", "--additional-config", json.dumps(offload)]
     log = tmp_path / "serve.log"
     with vllm_server(model, args, tensor_parallel_size=2, log_path=log) as base_url:
         client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")

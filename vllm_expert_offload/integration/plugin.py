@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-
 from .versions import check_vllm_version
 
-logger = logging.getLogger("vllm_expert_offload")
 _registered = False
 
 
@@ -20,4 +17,9 @@ def register_plugin() -> None:
 
     if "exl3" not in QUANTIZATION_METHODS:
         from . import quant_config  # noqa: F401  (registers the `exl3` quantization method on import)
+    # Startup fix: KV-cache block sizes each attention backend can use (kv_blocks.py; off with
+    # VLLM_EXPERT_OFFLOAD_KV_FIX=0).
+    from .kv_blocks import install as install_kv_block_fix
+
+    install_kv_block_fix()
     _registered = True

@@ -1,0 +1,336 @@
+"""The KV-cache block-size startup fix (issue "Startup: KV block sizes 64 and 128 initialize and serve").
+
+Three layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
+(the CPU build's V1 runner path, and the V2 runner's bindings); and the shared kv-plan-repro script, which
+runs vLLM's spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns, as
+subprocesses with and without the general plugins (each run takes ~30 s; they run in parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from vllm_expert_offload.integration.kv_block_rules import (
+    BackendSizes,
+    GroupFacts,
+    KVBlockLayoutError,
+    Member,
+    check_block_sizes,
+    resolve_block_sizes,
+)
+
+REPRO = Path(os.environ.get("KV_PLAN_REPRO", "/work/shared/tools/kv-plan-repro/kv_plan_repro.py"))
+DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
+DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
+CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
+SWA = BackendSizes("DEEPSEEK_SPARSE_SWA", multiple_of=(32,))
+
+
+def dsv4_compressed(requested: int) -> GroupFacts:
+    """DeepSeek-V4's packed group: indexer keys (ratio 4) beside the ratio-4 and ratio-128 MLA caches."""
+    members = (Member(DSV4_INDEXER, 4), Member(DSV4_MLA, 4), Member(DSV4_MLA, 128))
+    return GroupFacts("g2", members, requested, packed=True)
+
+
+# ---------------------------------------------------------------- pure resolver
+
+
+@pytest.mark.parametrize("requested", [16, 32, 64, 128, 256])
+def test_dsv4_compressed_group_gets_256_token_pages(requested: int) -> None:
+    assert resolve_block_sizes([dsv4_compressed(requested)]) == {"g2": 256}
+
+
+def test_user_size_kept_where_the_backend_takes_it() -> None:
+    groups = [
+        GroupFacts("swa", (Member(SWA),), 64, packed=True),
+        GroupFacts("full", (Member(CPU_ATTN),), 128),
+        dsv4_compressed(512),  # compressed caches in a packed block may be split into 256-token kernel blocks
+    ]
+    assert resolve_block_sizes(groups) == {"swa": 64, "full": 128, "g2": 512}
+
+
+def test_raised_to_the_smallest_workable_multiple() -> None:
+    assert resolve_block_sizes([GroupFacts("full", (Member(CPU_ATTN),), 16)]) == {"full": 32}
+    flexible_c128 = GroupFacts("c128", (Member(BackendSizes("FLASH_ATTN_MLA", multiple_of=(16,)), 128),), 64)
+    assert resolve_block_sizes([flexible_c128]) == {"c128": 128}  # 64 would hold 0 ratio-128 states
+
+
+def test_packed_token_cache_is_not_split() -> None:
+    token_cache = GroupFacts("tok", (Member(BackendSizes("FIXED", exact=(256,))),), 512, packed=True)
+    assert resolve_block_sizes([token_cache]) == {"tok": 256}
+    assert resolve_block_sizes([GroupFacts("tok", token_cache.members, 512)]) == {"tok": 512}
+
+
+def test_impossible_layout_names_group_backends_and_sizes() -> None:
+    impossible = GroupFacts("g1 (20 layers from model.layers.3.attn)", (Member(BackendSizes("TINY_MLA", (64,)), 128),),
+                            64, packed=True)
+    disjoint = GroupFacts("g2", (Member(BackendSizes("A", (64,))), Member(BackendSizes("B", (128,)))), 64)
+    with pytest.raises(KVBlockLayoutError) as refused:
+        resolve_block_sizes([impossible, dsv4_compressed(64), disjoint])
+    message = str(refused.value)
+    assert "KV-cache group g1 (20 layers from model.layers.3.attn): block size 64 is not usable" in message
+    assert "TINY_MLA takes [64], compression ratio 128" in message
+    assert "A takes [64]; B takes [128]" in message
+    assert message.count("sizes that would work: none") == 2
+
+
+def test_planned_size_refused_with_the_sizes_that_would_work() -> None:
+    check_block_sizes([dsv4_compressed(256), GroupFacts("swa", (Member(SWA),), 64)])
+    with pytest.raises(KVBlockLayoutError) as refused:
+        check_block_sizes([dsv4_compressed(128)])
+    message = str(refused.value)
+    assert message.startswith("KV-cache group g2: block size 128 is not usable (DEEPSEEK_V4_INDEXER takes [256]")
+    assert message.endswith("sizes that would work: 256, 512, 1024, 2048, 4096")
+
+
+# ---------------------------------------------------------------- hooks in vLLM's worker functions
+
+
+@pytest.fixture(scope="module")
+def kv_blocks():
+    """The fix, installed in this process (as `register()` does in every vLLM process)."""
+    import vllm.v1.worker.gpu.attn_utils  # noqa: F401  (Model Runner V2: its bindings must be rebound)
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401  (Model Runner V1)
+
+    from vllm_expert_offload.integration import kv_blocks
+
+    kv_blocks.install()
+    return kv_blocks
+
+
+def _bound(kv_blocks) -> dict[str, object]:
+    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_blocks._hooks()}
+
+
+def test_install_covers_both_runners_and_is_idempotent(kv_blocks) -> None:
+    from vllm_expert_offload.integration.patching import SENTINEL
+
+    before = _bound(kv_blocks)
+    assert len(before) == 6 and all(getattr(fn, SENTINEL, False) for fn in before.values())
+    assert kv_blocks.install() == []
+    assert _bound(kv_blocks) == before
+
+
+def test_unknown_vllm_version_refused(kv_blocks) -> None:
+    from vllm_expert_offload.integration.patching import HookError
+
+    before = _bound(kv_blocks)
+    with pytest.raises(HookError, match=r"checked on vLLM 0\.32, 0\.33 only; this is vLLM 0\.34\.0.*"
+                                        r"VLLM_EXPERT_OFFLOAD_KV_FIX=0"):
+        kv_blocks.install("0.34.0")
+    assert _bound(kv_blocks) == before
+
+
+def test_switch(kv_blocks, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "0")
+    assert kv_blocks.install() == []
+    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "off")
+    with pytest.raises(ValueError, match="use 1 .* or 0"):
+        kv_blocks.install()
+
+
+def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.integration.patching import Hook, HookError
+
+    module = types.ModuleType("fake_vllm_module")
+    module.target = lambda backend, spec: spec
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(HookError, match=r"takes \('backend', 'spec'\); the hook was written for \('spec',\)"):
+        Hook(module.__name__, "target", ("spec",), ("0.32",), lambda fn: fn).install()
+    hook = Hook(module.__name__, "target", ("backend", "spec"), ("0.32",), lambda fn: lambda b, s: (fn(b, s), 1))
+    assert hook.install() and not hook.install()
+    assert module.target(None, 0) == (0, 1)
+
+
+def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> None:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.worker import utils
+
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8, tokens_per_state=4)
+    assert utils.customize_attention_spec(DeepseekV4IndexerBackend, indexer).block_size == 256
+    for size, expected in ((16, 32), (32, 32), (64, 64), (256, 256)):
+        spec = FullAttentionSpec(block_size=size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+        assert utils.customize_attention_spec(CPUAttentionBackend, spec).block_size == expected
+
+
+def _planned(block_size: int):
+    """One planned full-attention group on the CPU backend, with the runner's attention group for it."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.utils import AttentionGroup
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    return config, [[AttentionGroup(CPUAttentionBackend, ["l0", "l1"], spec, 0)]]
+
+
+class _Lines(logging.Handler):
+    """Collects one logger's messages, whether or not vLLM's logging config stops propagation."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_kernel_hook_refuses_and_logs_one_line(kv_blocks) -> None:
+    from vllm.v1.worker import gpu_model_runner, utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    refusal = r"g0 \(2 layers from l0\): block size 16 is not usable \(CPU_ATTN takes \[MultipleOf\(32\)\]\); sizes"
+    with pytest.raises(KVBlockLayoutError, match=refusal + " that would work: 32,"):
+        attn_utils.prepare_kernel_block_sizes(*_planned(16))  # Model Runner V2's binding
+    lines, level = _Lines(), kv_blocks.logger.level
+    kv_blocks.logger.addHandler(lines)
+    kv_blocks.logger.setLevel(logging.INFO)
+    try:
+        for _ in range(2):  # the profiling KV cache and the real one: logged once
+            assert gpu_model_runner.prepare_kernel_block_sizes(*_planned(96)) == [96]  # V1's binding
+        assert utils.prepare_kernel_block_sizes(*_planned(96)) == [96]
+    finally:
+        kv_blocks.logger.removeHandler(lines)
+        kv_blocks.logger.setLevel(level)
+    assert lines.lines == ["vllm-expert-offload KV block sizes per group: g0=96 [CPU_ATTN]"]
+
+
+@pytest.mark.engine
+def test_cpu_engine_serves_at_a_block_size_its_backend_lacks(tmp_path: Path) -> None:
+    """End to end on the CPU build (Model Runner V1, plugin loaded by vLLM itself): CPU_ATTN takes multiples
+    of 32, so upstream refuses --block-size 16 at worker init ("No common block size for 16"). With the fix
+    the group runs on 32-token blocks and generates, over several blocks, the tokens it generates at 64."""
+    from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
+    from vllm_expert_offload.testing.tiny_models import build_hf_model
+
+    (tmp_path / "model").mkdir()
+    model = str(build_hf_model(tmp_path / "model", "qwen3_moe"))
+    prompts = [list(range(5, 41))]
+    tokens = {size: generate_greedy(EngineSpec(model, prompts, max_tokens=40, block_size=size)) for size in (16, 64)}
+    assert len(tokens[16][0]) == 40 and tokens[16] == tokens[64]
+
+
+def test_check_kv_subcommand_is_wired() -> None:
+    from vllm_expert_offload.cli import build_parser
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    args = build_parser().parse_args(["check-kv", "m", "--block-size", "64", "--tp", "2"])
+    assert (args.handler, args.block_size, args.tp) == (check_kv_cmd.run, 64, 2)
+
+
+# ---------------------------------------------------------------- vLLM's planning, via the shared repro
+
+# compress_ratios per layer, the last entry for the MTP layer (0: sliding window only).
+PATTERNS = {
+    "c128_first": [128, 4, 128, 4, 0, 128, 128, 4, 128, 4, 128, 4, 0],
+    "more_layers": [0] + [4, 4, 128] * 20 + [0],
+}
+
+
+def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
+    """A DeepSeek-V4-Flash config.json with another layer pattern."""
+    config = json.loads((REPRO.parent / "dsv4_flash" / "config.json").read_text())
+    config.update(num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """Every subprocess this module needs, three at a time; keyed by case, "+plugin" with the plugins loaded."""
+    if not REPRO.exists():
+        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
+    data = tmp_path_factory.mktemp("data")
+    repro = [sys.executable, str(REPRO)]
+    cases = {
+        "flash+plugin": [*repro, "--plugins", "--block-sizes", "32,64,128,256", "--expect-ok", "32,64,128,256"],
+        "flash": [*repro, "--block-sizes", "64,128", "--expect-ok", "64,128"],
+        "check-kv fix off": [sys.executable, "-m", "vllm_expert_offload.cli", "check-kv",
+                             str(REPRO.parent / "dsv4_flash"), "--block-size", "64"],
+    }
+    for name, ratios in PATTERNS.items():
+        pattern = [*repro, "--dsv4-config", str(_dsv4_config(data / name, ratios))]
+        cases[f"{name}+plugin"] = [*pattern, "--plugins", "--block-sizes", "64,128", "--expect-ok", "64,128"]
+        cases[name] = [*pattern, "--block-sizes", "64", "--expect-ok", "64"]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_EXPERT_OFFLOAD_KV_FIX")}
+    envs = {name: env for name in cases} | {"check-kv fix off": env | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(_run, command, envs[name]) for name, command in cases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _output(run: subprocess.CompletedProcess) -> str:
+    return run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("case", ["flash+plugin", "c128_first+plugin", "more_layers+plugin"])
+def test_repro_passes_with_the_plugin(runs, case: str) -> None:
+    run = runs[case]
+    assert run.returncode == 0 and "all OK" in run.stdout, _output(run)[-4000:]
+
+
+def test_flash_keeps_sliding_window_and_qwen_plans_at_every_size(runs) -> None:
+    out = runs["flash+plugin"].stdout
+    for size in (64, 128):
+        assert f"bs={size:<4} layout=BLHNC group_bs=[64, 64, 256, 4, 8]" in out, out[-4000:]
+    qwen = out[out.index("=== SUMMARY Qwen3-MoE"):].splitlines()
+    for size in (32, 64, 128, 256):
+        line = next(line for line in qwen if line.startswith(f"bs={size:<4} layout=LBHNC kernel_bs=[{size}]"))
+        assert line.endswith("-> OK"), line
+
+
+@pytest.mark.parametrize("case", ["flash", "c128_first", "more_layers"])
+def test_repro_fails_without_the_plugin(runs, case: str) -> None:
+    run = runs[case]
+    out = _output(run)
+    assert run.returncode == 1 and "expected OK at" in out and "FAILED DSv4 bs=64" in out, out[-4000:]
+    assert "ZeroDivisionError" in out
+    assert re.search(r"No common block size for 64 \((DEEPSEEK_V4_INDEXER|FLASHMLA_SPARSE_DSV4): \[256\]\)", out)
+
+
+def test_flash_128_fails_in_the_worker_without_the_plugin(runs) -> None:
+    out = runs["flash"].stdout
+    assert "FAILED DSv4 bs=64, DSv4 bs=128" in out
+    assert "ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])" in out
+
+
+def test_check_kv_reports_the_upstream_error_with_the_fix_off(runs) -> None:
+    run = runs["check-kv fix off"]
+    assert run.returncode == 1, _output(run)[-4000:]
+    assert "KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)" in run.stdout
+    assert "compression 128, page 0 B" in run.stdout
+    assert "FAILED at engine planning: ZeroDivisionError" in run.stdout
+
+
+def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    if not REPRO.exists():
+        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
+    model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
+    args = argparse.Namespace(model_dir=model, block_size=128, tp=2, attention_backend="FLASH_ATTN",
+                              max_model_len=8192, kv_gib=8.0)
+    assert check_kv_cmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert "KV block-size fix on" in out and out.rstrip().endswith("OK")
+    assert "block 256, kernel 256, page 1728/8640/37440 B [FLASHMLA_SPARSE_DSV4, DEEPSEEK_V4_INDEXER]" in out

@@ -1,0 +1,148 @@
+"""Startup fix: every KV-cache group gets a block size its attention backend can use.
+
+Upstream vLLM (0.32, 0.33) builds DeepSeek-V4's indexer and compressed-attention specs with the user's
+`--block-size` although their kernels take 256-token blocks only: at 64 the ratio-128 pages hold 0 bytes
+(ZeroDivisionError in the engine's KV planning), at 64 and 128 the worker refuses ("No common block size").
+Two hooks, installed by `register()` in every vLLM process, fix that at the narrowest points where a spec
+meets its backend:
+
+- `customize_attention_spec(backend, spec)` (worker, spec construction, both model runners): keeps the
+  spec's block size when its backend can use it, else raises it to the smallest workable size
+  (kv_block_rules.resolve_block_sizes), before the engine plans anything;
+- `prepare_kernel_block_sizes(kv_cache_config, attn_groups)` (worker, KV-cache init, both model runners):
+  refuses a planned group no kernel block fits, naming the group, backends and workable sizes, where
+  upstream either raises an opaque error or (packed layouts) skips the check; logs the per-group sizes.
+
+The names are wrapped in vllm.v1.worker.utils, where they are defined, and rebound in the runner modules
+that import them (V1 `gpu_model_runner`, which the CPU runner subclasses, and V2 `gpu.attn_utils`).
+`VLLM_EXPERT_OFFLOAD_KV_FIX=0` leaves vLLM untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from .kv_block_rules import GroupFacts, check_block_sizes, resolve_block_sizes
+from .patching import Hook, HookError
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+    from vllm.v1.worker.utils import AttentionGroup
+
+ENV_SWITCH = "VLLM_EXPERT_OFFLOAD_KV_FIX"
+CHECKED_ON = ("0.32", "0.33")
+UTILS = "vllm.v1.worker.utils"
+RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
+RUNNER_V2 = "vllm.v1.worker.gpu.attn_utils"
+
+# A child of vLLM's configured "vllm" logger, so the line reaches vLLM's handlers and honours its level.
+logger = logging.getLogger("vllm.expert_offload.kv_blocks")
+
+# (backend name, compression ratio, chosen size) -> the size vLLM had asked for; annotates the summary line.
+_raised: dict[tuple[str, int | Fraction, int], int] = {}
+_logged: set[str] = set()
+
+
+def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """The switch is "1" (default) or "0"; anything else is refused rather than guessed."""
+    value = environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: use 1 (default, fix on) or 0 (vLLM's own behaviour)")
+    return value == "1"
+
+
+def _wrap_customize_attention_spec(original: Callable) -> Callable:
+    """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
+    from .kv_block_facts import layer_group
+
+    @functools.wraps(original)
+    def customize_attention_spec(backend: type[AttentionBackend], spec: AttentionSpec) -> AttentionSpec:
+        customized = original(backend, spec)
+        if not customized.has_layer_views:  # raw storage: vLLM picks no kernel block for it
+            return customized
+        group = layer_group(backend, customized)
+        size = resolve_block_sizes([group])[group.name]
+        if size == customized.block_size:
+            return customized
+        _raised[(backend.get_name(), customized.tokens_per_state, size)] = customized.block_size
+        # The backend customizes again for the new size: its declarations may depend on the spec.
+        return original(backend, spec.copy_with_new_block_size(size))
+
+    return customize_attention_spec
+
+
+def _summary(groups: Mapping[int, GroupFacts], kernel_sizes: list[int]) -> str:
+    parts = []
+    for gid, group in groups.items():
+        part = f"g{gid}={group.requested}"
+        if gid < len(kernel_sizes) and kernel_sizes[gid] != group.requested:
+            part += f" (kernel {kernel_sizes[gid]})"
+        asked = {_raised.get((m.backend.name, m.tokens_per_state, group.requested)) for m in group.members}
+        asked.discard(None)
+        if asked:
+            part += f" (asked {', '.join(map(str, sorted(asked)))})"
+        part += " [" + ", ".join(dict.fromkeys(m.backend.name for m in group.members)) + "]"
+        parts.append(part)
+    return "vllm-expert-offload KV block sizes per group: " + "; ".join(parts)
+
+
+def _wrap_prepare_kernel_block_sizes(original: Callable) -> Callable:
+    """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
+    from .kv_block_facts import planned_groups
+
+    @functools.wraps(original)
+    def prepare_kernel_block_sizes(
+        kv_cache_config: KVCacheConfig, attn_groups: list[list[AttentionGroup]]
+    ) -> list[int]:
+        groups = planned_groups(kv_cache_config, attn_groups)
+        check_block_sizes(list(groups.values()))
+        kernel_sizes = original(kv_cache_config, attn_groups)
+        line = _summary(groups, kernel_sizes)
+        if line not in _logged:  # the profiling KV cache and the real one repeat the same layout
+            _logged.add(line)
+            logger.info(line)
+        return kernel_sizes
+
+    return prepare_kernel_block_sizes
+
+
+def _hooks() -> tuple[Hook, ...]:
+    """Each function where it is defined (later importers bind the wrapper from there) and where the runners
+    already bound it by name, if loaded."""
+    wrappers = {
+        "customize_attention_spec": (("backend", "spec"), _wrap_customize_attention_spec),
+        "prepare_kernel_block_sizes": (("kv_cache_config", "attn_groups"), _wrap_prepare_kernel_block_sizes),
+    }
+    return tuple(
+        Hook(module, name, params, CHECKED_ON, wrap, loaded_only=module != UTILS)
+        for name, (params, wrap) in wrappers.items()
+        for module in (UTILS, RUNNER_V1, RUNNER_V2)
+    )
+
+
+def install(vllm_version: str | None = None) -> list[str]:
+    """Install the fix in this process; returns the targets wrapped by this call (none when already
+    installed or switched off). Every hook's version is checked before any is applied."""
+    if not fix_enabled():
+        logger.info("KV block-size fix off (%s=0): vLLM chooses block sizes on its own", ENV_SWITCH)
+        return []
+    if vllm_version is None:
+        import vllm
+
+        vllm_version = vllm.__version__
+    hooks = _hooks()
+    try:
+        for hook in hooks:
+            hook.check_version(vllm_version)
+    except HookError as exc:
+        raise HookError(
+            f"vllm-expert-offload KV block-size fix: {exc}. Set {ENV_SWITCH}=0 to start without it "
+            "(DeepSeek-V4 then needs --block-size 256)."
+        ) from exc
+    return [hook.target for hook in hooks if hook.install()]
