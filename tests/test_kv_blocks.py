@@ -30,7 +30,9 @@ from vllm_expert_offload.integration.kv_block_rules import (
     resolve_block_sizes,
 )
 
-REPRO = Path(os.environ.get("KV_PLAN_REPRO", "/work/shared/tools/kv-plan-repro/kv_plan_repro.py"))
+# ../shared beside the checkout (present in CI); KV_PLAN_REPRO overrides.
+_SHARED_REPRO = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "kv-plan-repro" / "kv_plan_repro.py"
+REPRO = Path(os.environ.get("KV_PLAN_REPRO", str(_SHARED_REPRO)))
 DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
 DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
 CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
