@@ -22,4 +22,9 @@ def register_plugin() -> None:
     from .kv_blocks import install as install_kv_block_fix
 
     install_kv_block_fix()
+    # Readiness smoke: one long request before an EXL3 engine is handed out (readiness.py; off with
+    # VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0).
+    from .readiness import install as install_readiness_smoke
+
+    install_readiness_smoke()
     _registered = True

@@ -1,0 +1,159 @@
+"""Readiness smoke: before an EXL3 engine is handed to anyone, it serves one real request.
+
+A benchmark of short prompts can pass on a configuration that dies on the first ordinary long prefill
+(a lazily allocated buffer, a page-geometry bug, an unreachable host-tier expert). So, before `LLM(...)`
+returns and before `vllm serve` starts listening, the engine prefills more than two KV blocks and decodes
+a few tokens; a failure stops startup with its cause. Afterwards the prefix cache and the routing
+statistics are reset, so the smoke leaves no trace in what users see. Off with
+VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+
+from vllm import SamplingParams
+
+from .patching import SENTINEL, HookError
+from .versions import check_vllm_version
+
+logger = logging.getLogger("vllm.expert_offload.readiness")
+CHECKED_ON = ("0.32", "0.33")
+ENV = "VLLM_EXPERT_OFFLOAD_READINESS_SMOKE"
+REQUEST_ID = "vllm-expert-offload-readiness"
+DECODE_STEPS = 4
+
+
+class ReadinessError(RuntimeError):
+    pass
+
+
+def smoke_enabled() -> bool:
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def smoke_request(vllm_config) -> tuple[dict, SamplingParams] | None:
+    """The prompt (token ids spanning more than two blocks) and greedy params, or None when not ours."""
+    if vllm_config.model_config.quantization != "exl3" or not smoke_enabled():
+        return None
+    block = vllm_config.cache_config.block_size
+    vocab = vllm_config.model_config.get_vocab_size()
+    length = min(2 * block + 1, vllm_config.model_config.max_model_len - DECODE_STEPS)
+    prompt = {"prompt_token_ids": [(i * 7919 + 13) % vocab for i in range(length)]}
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True, detokenize=False)
+    return prompt, params
+
+
+def reset_expert_counts(worker) -> int:
+    """Runs on each worker (collective_rpc): zero the routing counts the smoke added."""
+    zeroed = 0
+    for module in worker.model_runner.get_model().modules():
+        placement = getattr(getattr(module, "quant_method", None), "placement", None)
+        if placement is not None:
+            placement.counts.zero_()
+            zeroed += 1
+    return zeroed
+
+
+def _failed(exc: BaseException, prompt_tokens: int) -> ReadinessError:
+    return ReadinessError(
+        f"readiness smoke failed: one request of {prompt_tokens} prompt tokens and "
+        f"{DECODE_STEPS} decode steps did not complete ({type(exc).__name__}: {exc}); the server would have failed "
+        f"on its first long request. Set {ENV}=0 only to debug."
+    )
+
+
+def run_sync(engine) -> None:
+    """LLMEngine: step the request to completion."""
+    request = smoke_request(engine.vllm_config)
+    if request is None:
+        return
+    try:
+        engine.add_request(REQUEST_ID, *request)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        generated = len(outputs[0].outputs[0].token_ids) if outputs else 0
+        if generated != DECODE_STEPS:
+            raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
+        engine.reset_prefix_cache()
+        engine.collective_rpc(reset_expert_counts)
+    except Exception as exc:
+        raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
+    logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
+                DECODE_STEPS)
+
+
+async def run_async(client) -> None:
+    """AsyncLLM (vllm serve): the same request through the async client."""
+    request = smoke_request(client.vllm_config)
+    if request is None:
+        return
+    try:
+        final = None
+        async for output in client.generate(request[0], request[1], REQUEST_ID):
+            final = output
+        generated = len(final.outputs[0].token_ids) if final is not None else 0
+        if generated != DECODE_STEPS:
+            raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
+        await client.reset_prefix_cache()
+        await client.collective_rpc(reset_expert_counts)
+    except Exception as exc:
+        raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
+    logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
+                DECODE_STEPS)
+
+
+def _wrap_engine_factory(llm_engine_cls) -> bool:
+    original = llm_engine_cls.__dict__["from_engine_args"].__func__
+    if getattr(original, SENTINEL, False):
+        return False
+
+    @functools.wraps(original)
+    def from_engine_args(cls, *args, **kwargs):
+        engine = original(cls, *args, **kwargs)
+        run_sync(engine)
+        return engine
+
+    setattr(from_engine_args, SENTINEL, True)
+    llm_engine_cls.from_engine_args = classmethod(from_engine_args)
+    return True
+
+
+def _wrap_async_builder(entry) -> bool:
+    original = entry.build_async_engine_client_from_engine_args
+    if getattr(original, SENTINEL, False):
+        return False
+
+    @contextlib.asynccontextmanager
+    async def build_async_engine_client_from_engine_args(*args, **kwargs):
+        async with original(*args, **kwargs) as client:
+            await run_async(client)
+            yield client
+
+    setattr(build_async_engine_client_from_engine_args, SENTINEL, True)
+    entry.build_async_engine_client_from_engine_args = build_async_engine_client_from_engine_args
+    return True
+
+
+def install() -> int:
+    """Wrap the engine factories already imported in this process (the API/LLM process imports them before
+    plugins load); worker and engine-core processes have neither and need no smoke."""
+    series = check_vllm_version()
+    if series not in CHECKED_ON:
+        raise HookError(f"readiness hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
+    wrapped = 0
+    llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
+    if llm_engine is not None:
+        wrapped += _wrap_engine_factory(llm_engine.LLMEngine)
+    entry = sys.modules.get("vllm.entrypoints.launchers.api_server.entry")
+    if entry is not None:
+        wrapped += _wrap_async_builder(entry)
+    return wrapped
