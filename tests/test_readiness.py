@@ -39,8 +39,8 @@ class FakeEngine:
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache",))
 
-    def collective_rpc(self, fn) -> None:
-        self.calls.append(("rpc", fn.__name__))
+    def collective_rpc(self, method: str) -> None:
+        self.calls.append(("rpc", method))
 
 
 def test_prompt_spans_more_than_two_blocks() -> None:
@@ -70,7 +70,7 @@ def test_switch(monkeypatch) -> None:
 def test_success_resets_prefix_cache_and_routing_counts() -> None:
     engine = FakeEngine()
     readiness.run_sync(engine)
-    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", "reset_expert_counts")]
+    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", readiness.RESET_COUNTS_RPC)]
 
 
 def test_failure_stops_startup_with_its_cause() -> None:

@@ -133,7 +133,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         arena = self.placement.arena
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.crop_offset)
-        self.kernel = TableMoE(experts, tables, arena, crop, self.params_dtype)
+        self.kernel = TableMoE(experts, tables, arena, crop, self.params_dtype, self.device)
         del self.placed
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):

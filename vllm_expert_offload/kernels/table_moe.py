@@ -1,8 +1,10 @@
 """Reference MoE kernel over per-expert pointer tables (any device torch runs on).
 
-It reads every trellis through its table entry, exactly as exllamav3's expert kernels do on a GPU,
-and decodes only the experts the batch routed to. On a CPU this is the production path: a host-tier
-expert costs a decode per use, just as on a GPU it costs a PCIe read per use.
+It reads every trellis through its table entry, exactly as exllamav3's expert kernels do on a GPU.
+On a CPU this is the production path, with the tiers keeping their meaning: GPU-tier experts are read
+through the table once at load and kept decoded (fast memory), host-tier experts are read through the
+table and decoded on every use, just as on a GPU each use costs a PCIe read. On CUDA nothing is kept
+decoded: that would hold dense weights in exactly the memory placement is meant to free.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class TableMoE:
         arena: HostArena | None,
         crop: ExpertCrop,
         dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.experts = list(experts)
         self.tables = tables
@@ -43,6 +46,11 @@ class TableMoE:
         self.registry = gpu_tier_registry(self.experts)
         self.crop = crop
         self.dtype = dtype
+        self.resident = {
+            e: self._weights(e, device)
+            for e in range(len(self.experts))
+            if device.type == "cpu" and bool(self.tables.in_gpu_tier[e])
+        }
 
     def _linear(self, expert: int, projection: str) -> Exl3Linear:
         placed = self.experts[expert].projections[projection]
@@ -69,7 +77,7 @@ class TableMoE:
         weights = topk_weights.to(x.dtype)
         for expert in torch.unique(topk_ids).tolist():
             tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
-            w13, w2 = self._weights(expert, x.device)
+            w13, w2 = self.resident[expert] if expert in self.resident else self._weights(expert, x.device)
             route = weights[tokens, slots, None]
             xe = x[tokens] * route if apply_router_weight_on_input else x[tokens]
             gate, up = F.linear(xe, w13).chunk(2, dim=-1)
