@@ -3,10 +3,14 @@ greedy tokens as HF transformers running the dequantized dense twin in float32."
 
 from __future__ import annotations
 
+import json
 import random
 
+import numpy as np
 import pytest
 
+from vllm_expert_offload import cli
+from vllm_expert_offload.placement import ModelIdentity, RoutingCounts
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
@@ -94,3 +98,25 @@ def test_tensor_parallel_2_matches_tensor_parallel_1() -> None:
     model = Model.get("qwen3_moe")
     tp1 = model.check(block_size=64, **_offload(1.0))
     assert model.generate(block_size=64, tensor_parallel_size=2, **_offload(1.0)) == tp1
+
+
+@pytest.mark.parametrize("block_size", [32, 128, 256])
+def test_tensor_parallel_2_other_block_sizes_with_every_expert_in_host_tier(block_size: int) -> None:
+    Model.get("qwen3_moe").check(block_size=block_size, tensor_parallel_size=2, **_offload(1.0))
+
+
+def test_plan_from_the_plan_command_serves_reference_tokens(tmp_path) -> None:
+    """plan --gpu-budget-gib with routing statistics -> plan file -> serving with it: the hottest experts
+    (by the statistics) fill the budget, and tokens stay those of the reference."""
+    model = Model.get("qwen3_moe")
+    stats, plan = tmp_path / "stats.json", tmp_path / "plan.json"
+    # Statistics carry the routing geometry (TP size and byte sizes do not matter for them); layer 1's experts
+    # are all hotter than layer 0's.
+    identity = ModelIdentity("Qwen3MoeForCausalLM", 2, 8, (0, 1), 1, "")
+    RoutingCounts(np.arange(16).reshape(2, 8), (0, 1), identity).save(stats)
+    record_bytes = 3 * 8 * 16 * 48 * 2  # one expert: three K=3 trellises of 8x16 tiles, 48 int16 each, page-aligned
+    budget_gib = 5 * record_bytes / 2**30
+    assert cli.main(["plan", "--model", model.exl3, "--gpu-budget-gib", repr(budget_gib), "--stats", str(stats),
+                     "--out", str(plan)]) == 0
+    assert json.loads(plan.read_text())["gpu_experts"] == {"0": [], "1": [3, 4, 5, 6, 7]}
+    model.check(block_size=128, additional_config={"expert_offload": {"plan": str(plan)}})

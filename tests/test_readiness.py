@@ -70,7 +70,7 @@ def test_switch(monkeypatch) -> None:
 def test_success_resets_prefix_cache_and_routing_counts() -> None:
     engine = FakeEngine()
     readiness.run_sync(engine)
-    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", readiness.RESET_COUNTS_RPC)]
+    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", readiness.RESET_COUNTS)]
 
 
 def test_failure_stops_startup_with_its_cause() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_expert_offload.integration.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
@@ -40,12 +41,14 @@ def test_recorded_counts_equal_reference_router(tmp_path) -> None:
     model = build_tiny_model(None, "qwen3_moe")
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (13, 77, 150)]
-    stats = tmp_path / "stats.json"
-    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(stats)}}
-    generate_greedy(EngineSpec(str(model), prompts, max_tokens=1, additional_config=offload))
+    at_exit, on_request = tmp_path / "stats.json", tmp_path / "requested.json"
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(at_exit)}}
+    rpc = [(SAVE_STATS, [str(on_request)])]
+    generate_greedy(EngineSpec(str(model), prompts, max_tokens=1, additional_config=offload, rpc_after=rpc))
 
-    saved = RoutingCounts.load(stats)
-    recorded = saved.counts
-    assert saved.moe_layers == (0, 1) and saved.model.architecture == "Qwen3MoeForCausalLM"
-    assert recorded.sum() == 2 * 2 * sum(map(len, prompts)), "every prompt token routes to top-2 experts per layer"
-    np.testing.assert_array_equal(recorded, _reference_counts(str(build_dense_twin(model)), prompts, 2, 8))
+    reference = _reference_counts(str(build_dense_twin(model)), prompts, 2, 8)
+    for path in (on_request, at_exit):
+        saved = RoutingCounts.load(path)
+        assert saved.moe_layers == (0, 1) and saved.model.architecture == "Qwen3MoeForCausalLM"
+        assert saved.counts.sum() == 2 * 2 * sum(map(len, prompts)), "each prompt token picks 2 experts per layer"
+        np.testing.assert_array_equal(saved.counts, reference)

@@ -27,4 +27,7 @@ def register_plugin() -> None:
     from .readiness import install as install_readiness_smoke
 
     install_readiness_smoke()
+    from .worker_rpc import install as install_worker_rpc
+
+    install_worker_rpc()
     _registered = True

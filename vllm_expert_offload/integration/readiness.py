@@ -20,14 +20,12 @@ from vllm import SamplingParams
 
 from .patching import SENTINEL, HookError
 from .versions import check_vllm_version
+from .worker_rpc import RESET_COUNTS
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
 CHECKED_ON = ("0.32", "0.33")
 ENV = "VLLM_EXPERT_OFFLOAD_READINESS_SMOKE"
 REQUEST_ID = "vllm-expert-offload-readiness"
-# A worker method added (not replaced) on vLLM's WorkerBase, so the front end can reach it by name:
-# collective_rpc with a function needs VLLM_ALLOW_INSECURE_SERIALIZATION across processes.
-RESET_COUNTS_RPC = "vllm_expert_offload_reset_expert_counts"
 DECODE_STEPS = 4
 
 
@@ -54,17 +52,6 @@ def smoke_request(vllm_config) -> tuple[dict, SamplingParams] | None:
     return prompt, params
 
 
-def reset_expert_counts(worker) -> int:
-    """Runs on each worker (collective_rpc): zero the routing counts the smoke added."""
-    zeroed = 0
-    for module in worker.model_runner.get_model().modules():
-        placement = getattr(getattr(module, "quant_method", None), "placement", None)
-        if placement is not None:
-            placement.counts.zero_()
-            zeroed += 1
-    return zeroed
-
-
 def _failed(exc: BaseException, prompt_tokens: int) -> ReadinessError:
     return ReadinessError(
         f"readiness smoke failed: one request of {prompt_tokens} prompt tokens and "
@@ -87,7 +74,7 @@ def run_sync(engine) -> None:
         if generated != DECODE_STEPS:
             raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
         engine.reset_prefix_cache()
-        engine.collective_rpc(RESET_COUNTS_RPC)
+        engine.collective_rpc(RESET_COUNTS)
     except Exception as exc:
         raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
     logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
@@ -107,7 +94,7 @@ async def run_async(client) -> None:
         if generated != DECODE_STEPS:
             raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
         await client.reset_prefix_cache()
-        await client.collective_rpc(RESET_COUNTS_RPC)
+        await client.collective_rpc(RESET_COUNTS)
     except Exception as exc:
         raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
     logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
@@ -146,22 +133,12 @@ def _wrap_async_builder(entry) -> bool:
     return True
 
 
-def _add_worker_method() -> None:
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    existing = getattr(WorkerBase, RESET_COUNTS_RPC, None)
-    if existing is not None and existing is not reset_expert_counts:
-        raise HookError(f"vllm.v1.worker.worker_base.WorkerBase already has a {RESET_COUNTS_RPC!r} attribute")
-    setattr(WorkerBase, RESET_COUNTS_RPC, reset_expert_counts)
-
-
 def install() -> int:
     """Wrap the engine factories already imported in this process (the API/LLM process imports them before
-    plugins load; engine-core processes have neither and need no smoke) and give workers the reset method."""
+    plugins load); engine-core and worker processes have neither and need no smoke."""
     series = check_vllm_version()
     if series not in CHECKED_ON:
         raise HookError(f"readiness hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
-    _add_worker_method()
     wrapped = 0
     llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
     if llm_engine is not None:

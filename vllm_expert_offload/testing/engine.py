@@ -28,6 +28,7 @@ class EngineSpec:
     max_model_len: int = 1024
     additional_config: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
 
 
 def engine_env(tensor_parallel_size: int) -> dict[str, str]:
@@ -73,6 +74,8 @@ def _run(spec: EngineSpec) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec.prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    for method, args in spec.rpc_after:
+        llm.collective_rpc(method, args=tuple(args))
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
 
 
