@@ -45,7 +45,7 @@ def bench_dequantize(shapes: list[tuple[int, int]], ks: list[int], reps: int) ->
     for in_features, out_features in shapes:
         for k in ks:
             layer = random_layer(in_features, out_features, k, gen)
-            seconds = _timed(lambda: dequantize(layer), reps)
+            seconds = _timed(lambda layer=layer: dequantize(layer), reps)
             rate = in_features * out_features / seconds / 1e6
             rows.append(f"| {in_features} × {out_features} | {k} | {seconds * 1e3:.1f} | {rate:.1f} |")
     return rows

@@ -30,10 +30,14 @@ def register_collectors(layer: torch.nn.Module, names: dict[str, str], loader: C
         layer.register_parameter(param_name, param)
 
 
+def collected(layer: torch.nn.Module) -> dict[Hashable, dict[str, torch.Tensor]]:
+    """What has arrived so far, by key; callers may pop entries they have consumed."""
+    return getattr(layer, LOADED_ATTR)
+
+
 def collect(layer: torch.nn.Module, key: Hashable, suffix: str, tensor: torch.Tensor, where: str) -> None:
     """Record one tensor; a second copy of the same tensor means the checkpoint is ambiguous."""
-    store: dict[Hashable, dict[str, torch.Tensor]] = getattr(layer, LOADED_ATTR)
-    entry = store.setdefault(key, {})
+    entry = collected(layer).setdefault(key, {})
     if suffix in entry:
         raise Exl3FormatError(f"{where}.{suffix}: loaded twice (duplicate tensor in the checkpoint)")
     entry[suffix] = tensor

@@ -8,7 +8,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ..exl3.errors import Exl3FormatError
 from ..exl3.slicing import aligned_cover, slice_input, slice_output
-from ..exl3.tensors import Exl3Linear, parse_linear
+from ..exl3.tensors import parse_linear
 from ..kernels.dequantized import dense_weight
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
 

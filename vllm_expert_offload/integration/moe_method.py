@@ -13,7 +13,7 @@ from ..exl3.errors import Exl3FormatError
 from ..exl3.naming import PROJECTIONS
 from ..kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
 from ..kernels.table_moe import ExpertCrop, TableMoE
-from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
+from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
 from .expert_plan import ExpertGeometry
 from .offload_options import parse_offload_options
 from .placement_state import ProcessPlacement
@@ -96,7 +96,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return True if return_success else None
 
     def _place_if_complete(self, local: int, global_expert: int) -> None:
-        store = getattr(self._layer, "_exl3_loaded")
+        store = collected(self._layer)
         expected = self.quant_config.summary.suffixes
         names = {p: self._checkpoint_name(global_expert, p) for p in PROJECTIONS}
         if any(set(store.get((local, p), {})) != expected[names[p]] for p in PROJECTIONS):

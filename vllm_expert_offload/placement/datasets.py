@@ -132,7 +132,7 @@ def _jsonl(path: Path, num_experts: int | None) -> dict[str, RoutingData]:
             cells.setdefault(segment, {})[(rec["token_idx"], rec["layer"])] = rec["experts"]
     layers = sorted({layer for seg in cells.values() for _, layer in seg})
     parts = []
-    for segment, seg in cells.items():
+    for seg in cells.values():
         tokens = sorted({token for token, _ in seg})
         tokens = [t for t in tokens if all((t, layer) in seg for layer in layers)]
         parts.append(np.array([[seg[(t, layer)] for layer in layers] for t in tokens], dtype=np.int64))
