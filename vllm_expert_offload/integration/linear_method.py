@@ -44,6 +44,7 @@ class Exl3LinearMethod(LinearMethodBase):
         self.output_partition_sizes = list(output_partition_sizes)
         self.input_size = input_size
         self.params_dtype = params_dtype
+        self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
         self._layer = layer
         register_collectors(layer, {s: s for s in TENSOR_SUFFIXES}, self._load)
 
@@ -93,7 +94,8 @@ class Exl3LinearMethod(LinearMethodBase):
             if shard not in loaded:
                 raise Exl3FormatError(f"{name}.trellis: missing from the checkpoint")
             weights.append(self._rank_weight(layer, shard, loaded[shard], self._shard_full_out(layer, shard)))
-        layer.weight = torch.nn.Parameter(torch.cat(weights, dim=0), requires_grad=False)
+        # Decoded on the host, where the collectors keep what the checkpoint delivered; then to the layer's device.
+        layer.weight = torch.nn.Parameter(torch.cat(weights, dim=0).to(self.device), requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.nn.functional.linear(x, layer.weight, bias)

@@ -32,6 +32,20 @@ def _process_placement(quant_config, geometry: ExpertGeometry, device: torch.dev
     return quant_config.placement
 
 
+def _require_eager_on_gpu(device: torch.device) -> None:
+    """The table kernel decides per batch which experts to decode (host syncs, data-dependent shapes), which
+    CUDA-graph capture cannot record; refuse up front instead of failing inside capture."""
+    if device.type == "cpu":
+        return
+    vllm_config = get_current_vllm_config()
+    if not vllm_config.model_config.enforce_eager:
+        raise RuntimeError(
+            "vllm-expert-offload: EXL3 routed experts run the reference table kernel on this version, which "
+            "cannot be captured in CUDA graphs; start vLLM with --enforce-eager (the exllamav3 expert kernels "
+            "over the same pointer tables are not wired yet)"
+        )
+
+
 class Exl3MoEMethod(FusedMoEMethodBase):
     """Receives each expert's tensor sets through collector parameters and places every expert in its tier
     as soon as its last tensor arrives, so the checkpoint is never held whole in memory."""
@@ -70,6 +84,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             intermediate_per_rank=intermediate_size_per_partition, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
         )
         self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
+        _require_eager_on_gpu(self.device)
         self.params_dtype = params_dtype
         self.num_local_experts = num_experts
         self.placement = _process_placement(self.quant_config, self.geometry, self.device)

@@ -52,20 +52,22 @@ class TableMoE:
             if device.type == "cpu" and bool(self.tables.in_gpu_tier[e])
         }
 
-    def _linear(self, expert: int, projection: str) -> Exl3Linear:
+    def _linear(self, expert: int, projection: str, device: torch.device) -> Exl3Linear:
+        """The expert's projection with its trellis read through the table, on `device` (for a host-tier
+        expert on CUDA this is the PCIe read; suh/svh already live there)."""
         placed = self.experts[expert].projections[projection]
         address = int(self.tables.table(projection, "trellis")[expert])
         source: HostArena | Mapping[int, torch.Tensor] = (
             self.registry if bool(self.tables.in_gpu_tier[expert]) else self.arena
         )
-        return replace(placed, trellis=read_trellis(address, placed.trellis.shape, source))
+        return replace(placed, trellis=read_trellis(address, placed.trellis.shape, source).to(device))
 
     def _weights(self, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.crop
         rows = slice(c.offset, c.offset + c.intermediate)
-        gate = dequantize(self._linear(expert, "gate"))[rows, : c.hidden]
-        up = dequantize(self._linear(expert, "up"))[rows, : c.hidden]
-        down = dequantize(self._linear(expert, "down"))[: c.hidden, rows]
+        gate = dequantize(self._linear(expert, "gate", device))[rows, : c.hidden]
+        up = dequantize(self._linear(expert, "up", device))[rows, : c.hidden]
+        down = dequantize(self._linear(expert, "down", device))[: c.hidden, rows]
         w13 = torch.cat((gate, up)).to(device, self.dtype)
         return w13, down.to(device, self.dtype)
 
