@@ -55,6 +55,18 @@ def aligned_cover(start: int, end: int, size: int) -> tuple[int, int]:
     return lo, hi
 
 
+def cover_output(layer: Exl3Linear, start: int, end: int) -> tuple[Exl3Linear, int]:
+    """Output columns [start, end) kept inside their 128-aligned cover: (sliced set, offset of `start` in it)."""
+    lo, hi = aligned_cover(start, end, layer.out_features)
+    return slice_output(layer, lo, hi), start - lo
+
+
+def cover_input(layer: Exl3Linear, start: int, end: int, keep_bias: bool) -> tuple[Exl3Linear, int]:
+    """Input rows [start, end) kept inside their 128-aligned cover: (sliced set, offset of `start` in it)."""
+    lo, hi = aligned_cover(start, end, layer.in_features)
+    return slice_input(layer, lo, hi, keep_bias), start - lo
+
+
 def partition(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """This rank's [start, end) of an evenly split dimension."""
     if size % tp_size:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from .patching import SENTINEL, HookError
-from .versions import check_vllm_version
+from .patching import SENTINEL, require_checked_version
 
 CHECKED_ON = ("0.32", "0.33")
 GIB = 1 << 30
@@ -56,9 +55,7 @@ def check_crash_line(
 def install_crash_line(min_free_fraction: float, gpu_expert_sizes: list[int]) -> bool:
     """Check the line right after the GPU worker allocates its KV cache (CUDA only: a CPU engine's "device"
     memory is the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE)."""
-    series = check_vllm_version()
-    if series not in CHECKED_ON:
-        raise HookError(f"crash-line hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
+    require_checked_version("the crash-line hook", CHECKED_ON)
     module = sys.modules.get("vllm.v1.worker.gpu_worker")
     if module is None:
         return False

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..exl3.naming import PROJECTIONS
-from ..exl3.slicing import aligned_cover, slice_input, slice_output
+from ..exl3.slicing import cover_input, cover_output
 from ..exl3.tensors import Exl3Linear, parse_linear
 from ..exl3.validate import CheckpointSummary
 from ..kernels.pointer_tables import host_record_bytes
@@ -44,10 +44,8 @@ class ExpertGeometry:
         lin = parse_linear(tensors, name, *self.shape(projection))
         start, end = self.rank_start, self.rank_start + self.intermediate_per_rank
         if projection == "down":
-            lo, hi = aligned_cover(start, end, lin.in_features)
-            return slice_input(lin, lo, hi, keep_bias=self.tp_rank == 0), start - lo
-        lo, hi = aligned_cover(start, end, lin.out_features)
-        return slice_output(lin, lo, hi), start - lo
+            return cover_input(lin, start, end, keep_bias=self.tp_rank == 0)
+        return cover_output(lin, start, end)
 
 
 def record_bytes_matrix(summary: CheckpointSummary, geometry: ExpertGeometry) -> np.ndarray:

@@ -7,7 +7,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinea
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ..exl3.errors import Exl3FormatError
-from ..exl3.slicing import aligned_cover, slice_input, slice_output
+from ..exl3.slicing import cover_input, cover_output
 from ..exl3.tensors import parse_linear
 from ..kernels.dequantized import dense_weight
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
@@ -68,16 +68,13 @@ class Exl3LinearMethod(LinearMethodBase):
         return rank * size, size, size
 
     def _rank_weight(self, layer: torch.nn.Module, shard: int, tensors: dict[str, torch.Tensor], full_out: int):
-        name = self.shard_names[shard]
-        lin = parse_linear(tensors, name, self.input_size, full_out)
+        lin = parse_linear(tensors, self.shard_names[shard], self.input_size, full_out)
         start, valid, rows = self._output_range(layer, shard)
-        lo, hi = aligned_cover(start, start + valid, lin.out_features)
-        lin = slice_output(lin, lo, hi)
+        lin, out_offset = cover_output(lin, start, start + valid)
         in_start = layer.tp_rank * self.input_size_per_partition if isinstance(layer, RowParallelLinear) else 0
-        in_lo, in_hi = aligned_cover(in_start, in_start + self.input_size_per_partition, lin.in_features)
-        lin = slice_input(lin, in_lo, in_hi, keep_bias=True)
+        lin, in_offset = cover_input(lin, in_start, in_start + self.input_size_per_partition, keep_bias=True)
         w = dense_weight(lin, lin.out_features, lin.in_features, self.params_dtype)
-        w = w[start - lo : start - lo + valid, in_start - in_lo : in_start - in_lo + self.input_size_per_partition]
+        w = w[out_offset : out_offset + valid, in_offset : in_offset + self.input_size_per_partition]
         return torch.nn.functional.pad(w, (0, 0, 0, rows - valid))
 
     def _shard_full_out(self, layer: torch.nn.Module, shard: int) -> int:

@@ -21,6 +21,15 @@ class HookError(RuntimeError):
     """A hook's target is not what it was checked against: unknown vLLM version, missing or changed function."""
 
 
+def require_checked_version(hook: str, checked_on: tuple[str, ...]) -> None:
+    """Refuse to install `hook` on a vLLM series it was not read against."""
+    from .versions import check_vllm_version
+
+    series = check_vllm_version()
+    if series not in checked_on:
+        raise HookError(f"{hook} was checked on vLLM {', '.join(checked_on)} only; this is vLLM {series}")
+
+
 @dataclass(frozen=True)
 class Hook:
     """Replace `module.name` by `wrap(original)`.

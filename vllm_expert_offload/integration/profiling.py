@@ -15,8 +15,7 @@ import sys
 
 import torch
 
-from .patching import SENTINEL, HookError
-from .versions import check_vllm_version
+from .patching import SENTINEL, HookError, require_checked_version
 
 CHECKED_ON = ("0.32", "0.33")
 # (module, class) of the model runners whose profile_run sizes the KV cache: V1 (CPU runs it too) and V2.
@@ -45,9 +44,7 @@ def _flagged(profile_run):
 def install_profile_flag() -> int:
     """Wrap `profile_run` of each runner class already imported in this process (call from a worker, where
     the runner module is loaded before the model is built). Returns how many classes were wrapped now."""
-    series = check_vllm_version()
-    if series not in CHECKED_ON:
-        raise HookError(f"profile_run hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
+    require_checked_version("the profile_run hook", CHECKED_ON)
     wrapped = 0
     for module_name, class_name in RUNNERS:
         module = sys.modules.get(module_name)

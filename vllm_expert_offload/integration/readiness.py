@@ -18,8 +18,7 @@ import sys
 
 from vllm import SamplingParams
 
-from .patching import SENTINEL, HookError
-from .versions import check_vllm_version
+from .patching import SENTINEL, require_checked_version
 from .worker_rpc import RESET_COUNTS
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
@@ -136,9 +135,7 @@ def _wrap_async_builder(entry) -> bool:
 def install() -> int:
     """Wrap the engine factories already imported in this process (the API/LLM process imports them before
     plugins load); engine-core and worker processes have neither and need no smoke."""
-    series = check_vllm_version()
-    if series not in CHECKED_ON:
-        raise HookError(f"readiness hook was checked on vLLM {', '.join(CHECKED_ON)} only; this is {series}")
+    require_checked_version("the readiness hook", CHECKED_ON)
     wrapped = 0
     llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
     if llm_engine is not None:
