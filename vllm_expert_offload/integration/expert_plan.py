@@ -37,15 +37,22 @@ class ExpertGeometry:
         """(in_features, out_features) of the whole, unpadded projection."""
         return (self.intermediate, self.hidden) if projection == "down" else (self.hidden, self.intermediate)
 
-    def rank_slice(self, tensors: dict, name: str, projection: str) -> tuple[Exl3Linear, int]:
-        """Validated, sliced tensor set and the offset of this rank's first intermediate channel inside it.
+    @property
+    def crop_offset(self) -> int:
+        """Where this rank's first intermediate channel sits inside its sliced (128-aligned) projections."""
+        return self.rank_start % 128
 
-        A share that cuts through a 128-block keeps the whole block (aligned_cover); the kernel crops."""
+    def rank_slice(self, tensors: dict, name: str, projection: str) -> Exl3Linear:
+        """Validated tensor set sliced to this rank's share; a share that cuts through a 128-block keeps the
+        whole block (the kernel crops at `crop_offset`)."""
         lin = parse_linear(tensors, name, *self.shape(projection))
         start, end = self.rank_start, self.rank_start + self.intermediate_per_rank
         if projection == "down":
-            return cover_input(lin, start, end, keep_bias=self.tp_rank == 0)
-        return cover_output(lin, start, end)
+            part, offset = cover_input(lin, start, end, keep_bias=self.tp_rank == 0)
+        else:
+            part, offset = cover_output(lin, start, end)
+        assert offset == self.crop_offset
+        return part
 
 
 def record_bytes_matrix(summary: CheckpointSummary, geometry: ExpertGeometry) -> np.ndarray:
@@ -57,7 +64,7 @@ def record_bytes_matrix(summary: CheckpointSummary, geometry: ExpertGeometry) ->
             sets = {}
             for projection in PROJECTIONS:
                 prefix = layout.expert_prefix(layer, expert, projection)
-                sets[projection] = geometry.rank_slice(summary.linears[prefix].tensors(), prefix, projection)[0]
+                sets[projection] = geometry.rank_slice(summary.linears[prefix].tensors(), prefix, projection)
             sizes[row, expert] = host_record_bytes(sets)
     return sizes
 

@@ -89,7 +89,6 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.num_local_experts = num_experts
         self.placement = _process_placement(self.quant_config, self.geometry, self.device)
         self.placed: dict[int, object] = {}
-        self.crop_offset: int | None = None
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
         install_profile_flag()
@@ -116,11 +115,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         names = {p: self._checkpoint_name(global_expert, p) for p in PROJECTIONS}
         if any(set(store.get((local, p), {})) != expected[names[p]] for p in PROJECTIONS):
             return
-        sliced = {}
-        for projection in PROJECTIONS:
-            tensors = store.pop((local, projection))
-            sliced[projection], offset = self.geometry.rank_slice(tensors, names[projection], projection)
-            self.crop_offset = offset
+        sliced = {p: self.geometry.rank_slice(store.pop((local, p)), names[p], p) for p in PROJECTIONS}
         in_gpu_tier = self.placement.in_gpu_tier(self.layer_index, global_expert)
         self.placed[local] = place_expert(sliced, in_gpu_tier, self.placement.arena, self.device)
 
@@ -137,17 +132,22 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         leftovers = take_loaded(layer, list(COLLECTORS))
         del self._layer
+        expected = self.quant_config.summary.suffixes
         for local, global_id in enumerate(self._local_to_global(layer)):
-            if local not in self.placed:
-                got = {p for (e, p) in leftovers if e == local}
-                missing = next(p for p in PROJECTIONS if p not in got) if len(got) < 3 else "gate"
-                name = self._checkpoint_name(global_id, missing)
-                have = sorted(leftovers.get((local, missing), {}))
-                raise Exl3FormatError(f"{name}: incomplete in the checkpoint (received {have or 'nothing'})")
+            if local in self.placed:
+                continue
+            for projection in PROJECTIONS:
+                name = self._checkpoint_name(global_id, projection)
+                have = set(leftovers.get((local, projection), {}))
+                if have != expected[name]:
+                    missing = sorted(expected[name] - have) or sorted(have - expected[name])
+                    raise Exl3FormatError(
+                        f"{name}.{missing[0]}: not delivered by the loader (received {sorted(have) or 'nothing'})"
+                    )
         experts = [self.placed[e] for e in range(self.num_local_experts)]
         arena = self.placement.arena
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
-        crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.crop_offset)
+        crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
         self.kernel = TableMoE(experts, tables, arena, crop, self.params_dtype, self.device)
         del self.placed
 
