@@ -4,11 +4,14 @@ queried with the openai client: completions and chat completions give the dense 
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from vllm_expert_offload.integration.worker_rpc import SAVE_STATS
+from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.server import vllm_server
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
@@ -28,14 +31,20 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     chat_ids = tokenizer(chat_text, add_special_tokens=False).input_ids  # as vLLM renders, then tokenizes
     reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
 
-    offload = {"expert_offload": {"host_fraction": 0.5}}
+    stats = tmp_path / "stats.json"
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(tmp_path / "at-exit.json")}}
     args = ["--block-size", "64", "--dtype", "float32", "--additional-config", json.dumps(offload)]
     log = tmp_path / "serve.log"
-    with vllm_server(model, args, tensor_parallel_size=2, log_path=log) as base_url:
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # exposes vLLM's /collective_rpc, to save statistics on request
+    with vllm_server(model, args, tensor_parallel_size=2, log_path=log, extra_env=dev_mode) as base_url:
         client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
         name = client.models.list().data[0].id
         completion = client.completions.create(model=name, prompt=prompt_ids, **GREEDY)
         chat = client.chat.completions.create(model=name, messages=messages, **GREEDY)
+        body = json.dumps({"method": SAVE_STATS, "args": [str(stats)]}).encode()
+        request = urllib.request.Request(f"{base_url}/collective_rpc", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["results"] == [str(stats), None]  # TP rank 0 writes, rank 1 not
 
     got = [completion.choices[0].token_ids, chat.choices[0].token_ids]
     result = compare_greedy(reference, got)
@@ -43,3 +52,7 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     assert chat.choices[0].message.content == tokenizer.decode(got[1], skip_special_tokens=True)
     placements = [line for line in log.read_text().splitlines() if "expert placement" in line]
     assert len(placements) == 2 and all("8 of 16 routed experts in the host tier" in p for p in placements)
+    # Each processed token (prompt, then every generated token but the last) picks 2 experts in each of 2 layers;
+    # the readiness smoke ran before and is not counted.
+    processed = len(prompt_ids) + len(chat_ids) + 2 * (MAX_TOKENS - 1)
+    assert RoutingCounts.load(stats).counts.sum() == 2 * 2 * processed

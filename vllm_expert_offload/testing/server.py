@@ -35,7 +35,11 @@ def _healthy(base_url: str) -> bool:
 
 @contextlib.contextmanager
 def vllm_server(
-    model_dir: str | Path, extra_args: list[str] = (), tensor_parallel_size: int = 1, log_path: Path | None = None
+    model_dir: str | Path,
+    extra_args: list[str] = (),
+    tensor_parallel_size: int = 1,
+    log_path: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Start `vllm serve`, wait for /health, yield the base URL; the server is stopped on exit.
 
@@ -48,7 +52,7 @@ def vllm_server(
         "--max-model-len", "1024", "--enforce-eager", "--tensor-parallel-size", str(tensor_parallel_size),
         *extra_args,
     ]
-    env = {**os.environ, **engine_env(tensor_parallel_size)}
+    env = {**os.environ, **engine_env(tensor_parallel_size), **(extra_env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
