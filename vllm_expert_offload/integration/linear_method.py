@@ -23,7 +23,7 @@ class Exl3LinearMethod(LinearMethodBase):
     def __init__(self, quant_config, prefix: str) -> None:
         self.quant_config = quant_config
         self.prefix = prefix
-        self.shard_names = quant_config._shard_prefixes(prefix)
+        self.shard_names = quant_config.shard_prefixes(prefix)
 
     def create_weights(
         self,

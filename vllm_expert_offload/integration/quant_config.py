@@ -66,8 +66,9 @@ class Exl3Config(QuantizationConfig):
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
 
-    # Which of a (possibly fused) vLLM module's checkpoint shards carry a trellis.
-    def _shard_prefixes(self, prefix: str) -> list[str]:
+    def shard_prefixes(self, prefix: str) -> list[str]:
+        """Checkpoint names of a vLLM module's shards: qkv_proj -> q_proj, k_proj, v_proj (EXL3 stores each
+        shard as its own tensor set), from the model's packed_modules_mapping."""
         base, _, name = prefix.rpartition(".")
         shards = self.packed_modules_mapping.get(name)
         if not shards:
@@ -80,7 +81,7 @@ class Exl3Config(QuantizationConfig):
                 "Exl3Config.maybe_update_config was not called before layers were built; "
                 "this vLLM version loads quantization configs differently from the verified ones"
             )
-        shards = self._shard_prefixes(prefix)
+        shards = self.shard_prefixes(prefix)
         present = [s in self.summary.quantized_prefixes for s in shards]
         if any(present) and not all(present):
             missing = [s for s, p in zip(shards, present) if not p]
