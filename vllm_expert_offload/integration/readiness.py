@@ -59,6 +59,17 @@ def _failed(exc: BaseException, prompt_tokens: int) -> ReadinessError:
     )
 
 
+def _check_generated(final_output) -> None:
+    generated = len(final_output.outputs[0].token_ids) if final_output is not None else 0
+    if generated != DECODE_STEPS:
+        raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
+
+
+def _passed(request: tuple[dict, SamplingParams]) -> None:
+    logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
+                DECODE_STEPS)
+
+
 def run_sync(engine) -> None:
     """LLMEngine: step the request to completion."""
     request = smoke_request(engine.vllm_config)
@@ -66,18 +77,15 @@ def run_sync(engine) -> None:
         return
     try:
         engine.add_request(REQUEST_ID, *request)
-        outputs = []
+        final = None
         while engine.has_unfinished_requests():
-            outputs += [o for o in engine.step() if o.finished]
-        generated = len(outputs[0].outputs[0].token_ids) if outputs else 0
-        if generated != DECODE_STEPS:
-            raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
+            final = next((o for o in engine.step() if o.finished), final)
+        _check_generated(final)
         engine.reset_prefix_cache()
         engine.collective_rpc(RESET_COUNTS)
     except Exception as exc:
         raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
-    logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
-                DECODE_STEPS)
+    _passed(request)
 
 
 async def run_async(client) -> None:
@@ -89,15 +97,12 @@ async def run_async(client) -> None:
         final = None
         async for output in client.generate(request[0], request[1], REQUEST_ID):
             final = output
-        generated = len(final.outputs[0].token_ids) if final is not None else 0
-        if generated != DECODE_STEPS:
-            raise ReadinessError(f"generated {generated} tokens instead of {DECODE_STEPS}")
+        _check_generated(final)
         await client.reset_prefix_cache()
         await client.collective_rpc(RESET_COUNTS)
     except Exception as exc:
         raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
-    logger.info("readiness smoke passed (%d prompt tokens, %d decode steps)", len(request[0]["prompt_token_ids"]),
-                DECODE_STEPS)
+    _passed(request)
 
 
 def _wrap_engine_factory(llm_engine_cls) -> bool:
