@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_expert_offload.integration.kv_block_rules import (
+from vllm_expert_offload.integration.kv.rules import (
     BackendSizes,
     GroupFacts,
     KVBlockLayoutError,
@@ -105,7 +105,7 @@ def kv_blocks():
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401  (Model Runner V2: its bindings must be rebound)
     import vllm.v1.worker.gpu_model_runner  # noqa: F401  (Model Runner V1)
 
-    from vllm_expert_offload.integration import kv_blocks
+    from vllm_expert_offload.integration.kv import fix as kv_blocks
 
     kv_blocks.install()
     return kv_blocks

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_expert_offload.integration.crash_line import CrashLineError, check_crash_line
-from vllm_expert_offload.integration.offload_options import OffloadOptionError, parse_offload_options
+from vllm_expert_offload.integration.startup.crash_line import CrashLineError, check_crash_line
+from vllm_expert_offload.integration.offload.options import OffloadOptionError, parse_offload_options
 
 GIB = 1 << 30
 

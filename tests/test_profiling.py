@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from vllm_expert_offload.integration import profiling
+from vllm_expert_offload.integration.startup import profiling
 
 
 @pytest.fixture

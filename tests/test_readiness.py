@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_expert_offload.integration import readiness
+from vllm_expert_offload.integration.startup import readiness
 
 
 def _config(quantization: str = "exl3", block: int = 64, max_len: int = 1024):

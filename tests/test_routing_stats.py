@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_expert_offload.integration.worker_rpc import SAVE_STATS
+from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model

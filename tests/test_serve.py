@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from vllm_expert_offload.integration.worker_rpc import SAVE_STATS
+from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.server import vllm_server

@@ -16,18 +16,18 @@ def register_plugin() -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     if "exl3" not in QUANTIZATION_METHODS:
-        from . import quant_config  # noqa: F401  (registers the `exl3` quantization method on import)
+        from .methods import quant_config  # noqa: F401  (registers the `exl3` quantization method on import)
     # Startup fix: KV-cache block sizes each attention backend can use (kv_blocks.py; off with
     # VLLM_EXPERT_OFFLOAD_KV_FIX=0).
-    from .kv_blocks import install as install_kv_block_fix
+    from .kv.fix import install as install_kv_block_fix
 
     install_kv_block_fix()
     # Readiness smoke: one long request before an EXL3 engine is handed out (readiness.py; off with
     # VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0).
-    from .readiness import install as install_readiness_smoke
+    from .startup.readiness import install as install_readiness_smoke
 
     install_readiness_smoke()
-    from .worker_rpc import install as install_worker_rpc
+    from .startup.worker_rpc import install as install_worker_rpc
 
     install_worker_rpc()
     _registered = True

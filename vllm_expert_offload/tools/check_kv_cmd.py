@@ -99,7 +99,7 @@ def _attention_groups(kv_cache_config: KVCacheConfig, backends: dict) -> list[li
     """The runner's attention groups: per KV-cache group, one per distinct (backend, layer spec)."""
     from vllm.v1.worker.utils import AttentionGroup
 
-    from ..integration.kv_block_facts import layer_spec
+    from ..integration.kv.facts import layer_spec
 
     per_group = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -167,8 +167,8 @@ def check_kv(args: argparse.Namespace) -> None:
     """Prints the report as the steps pass; raises StepFailed at the first one that fails."""
     import vllm
 
-    from ..integration.kv_blocks import ENV_SWITCH, fix_enabled, install
-    from ..integration.kv_model_specs import layer_specs
+    from ..integration.kv.fix import ENV_SWITCH, fix_enabled, install
+    from ..integration.kv.model_specs import layer_specs
 
     install()
     config = _step("config", _vllm_config, args)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..exl3.checkpoint import Exl3Checkpoint, split_name
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
-from ..integration.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
-from ..integration.offload_options import OffloadOptions
+from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
+from ..integration.offload.options import OffloadOptions
 from ..placement import Ledger, save_plan
 
 DENSE_BYTES_PER_WEIGHT = 2  # this version runs dense EXL3 linears dequantized to fp16/bf16

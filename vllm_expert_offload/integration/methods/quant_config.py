@@ -11,9 +11,9 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from ..exl3.config import Exl3QuantConfig, parse_quant_config
-from ..exl3.errors import Exl3FormatError
-from ..exl3.validate import CheckpointSummary
+from ...exl3.config import Exl3QuantConfig, parse_quant_config
+from ...exl3.errors import Exl3FormatError
+from ...exl3.validate import CheckpointSummary
 from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 
 QUANT_NAME = "exl3"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ..exl3.validate import CheckpointSummary
-from ..memory.arena import HostArena
-from ..placement import RoutingCounts
-from .crash_line import install_crash_line
+from ...exl3.validate import CheckpointSummary
+from ...memory.arena import HostArena
+from ...placement import RoutingCounts
+from ..startup.crash_line import install_crash_line
 from .expert_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
-from .offload_options import OffloadOptions
+from .options import OffloadOptions
 
 logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, so it shares its handlers
 
@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, s
 def _arena_numa_node(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    from ..memory.topology import numa_node_of_gpu
+    from ...memory.topology import numa_node_of_gpu
 
     return numa_node_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .patching import SENTINEL, HookError, require_checked_version
+from ..patching import SENTINEL, HookError, require_checked_version
 
 CHECKED_ON = ("0.32", "0.33")
 # (module, class) of the model runners whose profile_run sizes the KV cache: V1 (CPU runs it too) and V2.

@@ -6,10 +6,10 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from ..exl3.errors import Exl3FormatError
-from ..exl3.slicing import cover_input, cover_output
-from ..exl3.tensors import parse_linear
-from ..kernels.dequantized import dense_weight
+from ...exl3.errors import Exl3FormatError
+from ...exl3.slicing import cover_input, cover_output
+from ...exl3.tensors import parse_linear
+from ...kernels.dequantized import dense_weight
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}

@@ -18,7 +18,7 @@ import sys
 
 from vllm import SamplingParams
 
-from .patching import SENTINEL, require_checked_version
+from ..patching import SENTINEL, require_checked_version
 from .worker_rpc import RESET_COUNTS
 
 logger = logging.getLogger("vllm.expert_offload.readiness")

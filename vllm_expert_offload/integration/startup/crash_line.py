@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from .patching import SENTINEL, require_checked_version
+from ..patching import SENTINEL, require_checked_version
 
 CHECKED_ON = ("0.32", "0.33")
 GIB = 1 << 30

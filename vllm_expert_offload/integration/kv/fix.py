@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from .kv_block_rules import GroupFacts, check_block_sizes, resolve_block_sizes
-from .patching import Hook, HookError
+from .rules import GroupFacts, check_block_sizes, resolve_block_sizes
+from ..patching import Hook, HookError
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionBackend
@@ -59,7 +59,7 @@ def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _wrap_customize_attention_spec(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
-    from .kv_block_facts import layer_group
+    from .facts import layer_group
 
     @functools.wraps(original)
     def customize_attention_spec(backend: type[AttentionBackend], spec: AttentionSpec) -> AttentionSpec:
@@ -94,7 +94,7 @@ def _summary(groups: Mapping[int, GroupFacts], kernel_sizes: list[int]) -> str:
 
 def _wrap_prepare_kernel_block_sizes(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
-    from .kv_block_facts import planned_groups
+    from .facts import planned_groups
 
     @functools.wraps(original)
     def prepare_kernel_block_sizes(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .patching import HookError
+from ..patching import HookError
 
 RESET_COUNTS = "vllm_expert_offload_reset_expert_counts"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"

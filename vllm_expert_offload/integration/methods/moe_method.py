@@ -9,15 +9,15 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-from ..exl3.errors import Exl3FormatError
-from ..exl3.naming import PROJECTIONS
-from ..kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
-from ..kernels.table_moe import ExpertCrop, TableMoE
+from ...exl3.errors import Exl3FormatError
+from ...exl3.naming import PROJECTIONS
+from ...kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
+from ...kernels.table_moe import ExpertCrop, TableMoE
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
-from .expert_plan import ExpertGeometry
-from .offload_options import parse_offload_options
-from .placement_state import ProcessPlacement
-from .profiling import install_profile_flag, profiling, spread_routing
+from ..offload.expert_plan import ExpertGeometry
+from ..offload.options import parse_offload_options
+from ..offload.placement_state import ProcessPlacement
+from ..startup.profiling import install_profile_flag, profiling, spread_routing
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
@@ -69,7 +69,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if activation != "silu":
             raise Exl3FormatError(f"{layer.layer_name}: activation {activation!r} is not supported (EXL3 MoE: silu)")
         if self.quant_config.summary.layout is None:
-            from ..exl3.naming import SUPPORTED_ARCHITECTURES
+            from ...exl3.naming import SUPPORTED_ARCHITECTURES
 
             raise Exl3FormatError(
                 f"{layer.layer_name}: EXL3 routed experts are supported for {list(SUPPORTED_ARCHITECTURES)} only"

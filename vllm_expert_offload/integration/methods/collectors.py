@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..exl3.errors import Exl3FormatError
+from ...exl3.errors import Exl3FormatError
 
 TENSOR_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 LOADED_ATTR = "_exl3_loaded"

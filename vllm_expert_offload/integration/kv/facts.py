@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import AttentionGroup
 
-from .kv_block_rules import BackendSizes, GroupFacts, Member
+from .rules import BackendSizes, GroupFacts, Member
 
 
 def backend_sizes(backend: type[AttentionBackend], spec: KVCacheSpec) -> BackendSizes:

@@ -6,9 +6,9 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from ..exl3.checkpoint import Exl3Checkpoint
-from ..exl3.errors import Exl3FormatError
-from ..exl3.validate import CheckpointSummary, validate_checkpoint
+from ...exl3.checkpoint import Exl3Checkpoint
+from ...exl3.errors import Exl3FormatError
+from ...exl3.validate import CheckpointSummary, validate_checkpoint
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:

@@ -1,0 +1,1 @@
+"""KV-cache block sizes: per-group resolution each attention backend can use."""

@@ -1,0 +1,1 @@
+"""The quantization config and the linear + MoE methods vLLM calls per layer."""

@@ -1,0 +1,1 @@
+"""Offload options, the per-process expert plan and placement state."""

@@ -1,0 +1,1 @@
+"""Engine startup: worst-case profiling, crash line, readiness smoke, worker RPCs."""
