@@ -99,6 +99,29 @@ def kernel_address(arena: HostArena | None, device: torch.device | str) -> Calla
     return address
 
 
+ScaleStacks = Mapping[tuple[str, str], torch.Tensor]  # (projection, "suh"|"svh") -> (experts, features)
+
+
+def stack_scales(experts: Sequence[PlacedExpert], device: torch.device | str) -> tuple[list[PlacedExpert], ScaleStacks]:
+    """One (experts, features) tensor per projection and side, and the experts re-pointed at its rows.
+
+    Kernels that gather scales by expert id read the stacks; table entries and the torch reference read the
+    rows; either way each scale exists once in device memory (the per-expert copies die with the old list)."""
+    stacks = {
+        (p, part): torch.stack([getattr(expert.projections[p], part) for expert in experts]).to(device)
+        for p in PROJECTIONS
+        for part in ("suh", "svh")
+    }
+    restacked = [
+        PlacedExpert(
+            {p: replace(layer, suh=stacks[(p, "suh")][e], svh=stacks[(p, "svh")][e]) for p, layer in expert.projections.items()},
+            expert.in_gpu_tier,
+        )
+        for e, expert in enumerate(experts)
+    ]
+    return restacked, stacks
+
+
 @dataclass(frozen=True)
 class PointerTables:
     """One MoE layer's tables; entry e of every tensor describes local expert e."""

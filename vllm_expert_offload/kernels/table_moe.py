@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .activation import silu_and_mul
 from ..exl3.decode import dequantize
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
@@ -39,6 +40,7 @@ class TableMoE:
         crop: ExpertCrop,
         dtype: torch.dtype,
         device: torch.device,
+        swiglu_limit: float | None = None,
     ) -> None:
         self.experts = list(experts)
         self.tables = tables
@@ -46,6 +48,7 @@ class TableMoE:
         self.registry = gpu_tier_registry(self.experts)
         self.crop = crop
         self.dtype = dtype
+        self.swiglu_limit = swiglu_limit
         self.resident = {
             e: self._weights(e, device)
             for e in range(len(self.experts))
@@ -83,6 +86,6 @@ class TableMoE:
             route = weights[tokens, slots, None]
             xe = x[tokens] * route if apply_router_weight_on_input else x[tokens]
             gate, up = F.linear(xe, w13).chunk(2, dim=-1)
-            ye = F.linear(F.silu(gate) * up, w2)
+            ye = F.linear(silu_and_mul(gate, up, self.swiglu_limit), w2)
             out.index_add_(0, tokens, ye if apply_router_weight_on_input else ye * route)
         return out

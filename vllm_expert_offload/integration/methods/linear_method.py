@@ -9,7 +9,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from ...exl3.errors import Exl3FormatError
 from ...exl3.slicing import cover_input, cover_output
 from ...exl3.tensors import parse_linear
-from ...kernels.dequantized import dense_weight
+from ...kernels.linear import LinearShard
+from ...kernels.oracle import build_linear_kernel
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -45,6 +46,7 @@ class Exl3LinearMethod(LinearMethodBase):
         self.input_size = input_size
         self.params_dtype = params_dtype
         self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
+        self.kernels = self.quant_config.kernel_choice(self.device)
         self._layer = layer
         register_collectors(layer, {s: s for s in TENSOR_SUFFIXES}, self._load)
 
@@ -67,15 +69,14 @@ class Exl3LinearMethod(LinearMethodBase):
             rank //= layer.num_kv_head_replicas
         return rank * size, size, size
 
-    def _rank_weight(self, layer: torch.nn.Module, shard: int, tensors: dict[str, torch.Tensor], full_out: int):
+    def _rank_shard(self, layer: torch.nn.Module, shard: int, tensors: dict[str, torch.Tensor], full_out: int):
+        """This rank's part of one checkpoint tensor set: its 128-aligned cover and where the part sits."""
         lin = parse_linear(tensors, self.shard_names[shard], self.input_size, full_out)
         start, valid, rows = self._output_range(layer, shard)
         lin, out_offset = cover_output(lin, start, start + valid)
         in_start = layer.tp_rank * self.input_size_per_partition if isinstance(layer, RowParallelLinear) else 0
         lin, in_offset = cover_input(lin, in_start, in_start + self.input_size_per_partition, keep_bias=True)
-        w = dense_weight(lin, lin.out_features, lin.in_features, self.params_dtype)
-        w = w[out_offset : out_offset + valid, in_offset : in_offset + self.input_size_per_partition]
-        return torch.nn.functional.pad(w, (0, 0, 0, rows - valid))
+        return LinearShard(lin, out_offset, valid, rows, in_offset, self.input_size_per_partition)
 
     def _shard_full_out(self, layer: torch.nn.Module, shard: int) -> int:
         if isinstance(layer, ParallelLMHead):
@@ -86,13 +87,14 @@ class Exl3LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         loaded = take_loaded(layer, list(TENSOR_SUFFIXES))
         del self._layer
-        weights = []
+        shards = []
         for shard, name in enumerate(self.shard_names):
             if shard not in loaded:
                 raise Exl3FormatError(f"{name}.trellis: missing from the checkpoint")
-            weights.append(self._rank_weight(layer, shard, loaded[shard], self._shard_full_out(layer, shard)))
-        # Decoded on the host, where the collectors keep what the checkpoint delivered; then to the layer's device.
-        layer.weight = torch.nn.Parameter(torch.cat(weights, dim=0).to(self.device), requires_grad=False)
+            shards.append(self._rank_shard(layer, shard, loaded[shard], self._shard_full_out(layer, shard)))
+        # Shards stay on the host, where the collectors keep what the checkpoint delivered: a dequantizing
+        # backend decodes there and moves only the result, a trellis-reading one moves the trellis.
+        self.kernel = build_linear_kernel(self.kernels, shards, self.params_dtype, self.device)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.nn.functional.linear(x, layer.weight, bias)
+        return self.kernel.forward(x, bias)

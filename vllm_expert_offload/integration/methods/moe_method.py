@@ -11,8 +11,9 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 
 from ...exl3.errors import Exl3FormatError
 from ...exl3.naming import PROJECTIONS
-from ...kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert
-from ...kernels.table_moe import ExpertCrop, TableMoE
+from ...kernels.oracle import KernelChoice, build_moe_kernel
+from ...kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert, stack_scales
+from ...kernels.table_moe import ExpertCrop
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
 from ..offload.expert_plan import ExpertGeometry
 from ..offload.options import parse_offload_options
@@ -32,17 +33,16 @@ def _process_placement(quant_config, geometry: ExpertGeometry, device: torch.dev
     return quant_config.placement
 
 
-def _require_eager_on_gpu(device: torch.device) -> None:
-    """The table kernel decides per batch which experts to decode (host syncs, data-dependent shapes), which
-    CUDA-graph capture cannot record; refuse up front instead of failing inside capture."""
-    if device.type == "cpu":
+def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device) -> None:
+    """The torch reference decides per batch which experts to decode (host syncs, data-dependent shapes),
+    which CUDA-graph capture cannot record; refuse up front instead of failing inside capture."""
+    if device.type == "cpu" or kernels.graph_safe:
         return
-    vllm_config = get_current_vllm_config()
-    if not vllm_config.model_config.enforce_eager:
+    if not get_current_vllm_config().model_config.enforce_eager:
         raise RuntimeError(
-            "vllm-expert-offload: EXL3 routed experts run the reference table kernel on this version, which "
-            "cannot be captured in CUDA graphs; start vLLM with --enforce-eager (the exllamav3 expert kernels "
-            "over the same pointer tables are not wired yet)"
+            f"vllm-expert-offload: EXL3 routed experts run the {kernels.moe!r} backend ({kernels.reason}), which "
+            "cannot be captured in CUDA graphs; start vLLM with --enforce-eager, or use "
+            "--additional-config '{\"expert_offload\": {\"kernel\": \"triton\"}}'"
         )
 
 
@@ -84,7 +84,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             intermediate_per_rank=intermediate_size_per_partition, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
         )
         self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
-        _require_eager_on_gpu(self.device)
+        self.kernels = self.quant_config.kernel_choice(self.device)
+        _require_eager_if_not_graph_safe(self.kernels, self.device)
         self.params_dtype = params_dtype
         self.num_local_experts = num_experts
         self.placement = _process_placement(self.quant_config, self.geometry, self.device)
@@ -144,11 +145,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                     raise Exl3FormatError(
                         f"{name}.{missing[0]}: not delivered by the loader (received {sorted(have) or 'nothing'})"
                     )
-        experts = [self.placed[e] for e in range(self.num_local_experts)]
+        experts, scales = stack_scales([self.placed.pop(e) for e in range(self.num_local_experts)], self.device)
         arena = self.placement.arena
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
-        self.kernel = TableMoE(experts, tables, arena, crop, self.params_dtype, self.device)
+        self.kernel = build_moe_kernel(
+            self.kernels, experts, tables, scales, arena, crop, self.params_dtype, self.device
+        )
         del self.placed
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
@@ -14,6 +15,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
 from ...exl3.errors import Exl3FormatError
 from ...exl3.validate import CheckpointSummary
+from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
+from ..offload.options import parse_offload_options
 from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 
 QUANT_NAME = "exl3"
@@ -28,6 +31,7 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
+        self.kernels: KernelChoice | None = None
 
     def __repr__(self) -> str:
         return f"Exl3Config(bits={self.quant.bits}, head_bits={self.quant.head_bits}, codebook={self.quant.codebook})"
@@ -65,6 +69,15 @@ class Exl3Config(QuantizationConfig):
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+
+    def kernel_choice(self, device: torch.device) -> KernelChoice:
+        """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
+        asked for that cannot run is refused here, before any weight is loaded."""
+        if self.kernels is None:
+            options = parse_offload_options(get_current_vllm_config().additional_config)
+            self.kernels = choose_kernels(options.kernel, device, options.dequantize_linears)
+            log_choice(self.kernels)
+        return self.kernels
 
     def shard_prefixes(self, prefix: str) -> list[str]:
         """Checkpoint names of a vLLM module's shards: qkv_proj -> q_proj, k_proj, v_proj (EXL3 stores each

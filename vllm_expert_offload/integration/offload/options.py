@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...kernels.oracle import BACKENDS
+
 OPTION_KEY = "expert_offload"
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
-_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "min_free_fraction"})
+_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "min_free_fraction", "kernel", "dequantize_linears"})
 DEFAULT_MIN_FREE_FRACTION = 0.03
 
 
@@ -30,6 +32,8 @@ class OffloadOptions:
     stats: Path | None = None  # routing counts that steer a budget plan
     record_stats: Path | None = None  # where serving writes the counts it observes
     min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION  # GPU memory that must stay free after the KV cache
+    kernel: str = "auto"  # EXL3 backend asked for (kernels/oracle.py decides and refuses)
+    dequantize_linears: bool = False  # decode dense EXL3 linears once at load (memory for speed)
 
     @property
     def offloads(self) -> bool:
@@ -62,6 +66,20 @@ def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
     return path
 
 
+def _choice(raw: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise OffloadOptionError(f"{_where(key)}: {value!r} is not one of {list(allowed)}")
+    return value
+
+
+def _flag(raw: dict[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise OffloadOptionError(f"{_where(key)}: expected true or false, got {value!r}")
+    return value
+
+
 def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOptions:
     raw = (additional_config or {}).get(OPTION_KEY)
     if raw is None:
@@ -84,4 +102,6 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         record_stats=_path(raw, "record_stats", must_exist=False),
         min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5) if "min_free_fraction" in raw
         else DEFAULT_MIN_FREE_FRACTION,
+        kernel=_choice(raw, "kernel", BACKENDS, "auto"),
+        dequantize_linears=_flag(raw, "dequantize_linears"),
     )

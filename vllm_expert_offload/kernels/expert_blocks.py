@@ -1,0 +1,54 @@
+"""Which rows of a batch each program of the EXL3 matmul kernel takes, and which matrix it reads.
+
+Both layouts are built from device tensors with device ops only (no `.item()`, `nonzero`, `unique`, no
+boolean indexing) and have sizes that depend on the batch shape alone, so they run inside CUDA graphs:
+- per row: one row per block, for decode, where a slot's expert is rarely shared and grouping would
+  cost more than it saves;
+- grouped: rows sorted by matrix into blocks of `block_m` (the role of vLLM's `moe_align_block_size`),
+  so each trellis tile is decoded once per block of tokens in prefill. The block count is the worst case
+  ceil(rows / block_m) + matrices; blocks past the used ones carry matrix -1 and exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def per_row_blocks(matrix_of_row: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_ids int32 (rows * block_m,), block_matrix int32 (rows,)): block r holds row r alone."""
+    rows = matrix_of_row.shape[0]
+    row_ids = torch.full((rows, block_m), -1, dtype=torch.int32, device=matrix_of_row.device)
+    row_ids[:, 0] = torch.arange(rows, dtype=torch.int32, device=matrix_of_row.device)
+    return row_ids.reshape(-1), matrix_of_row.to(torch.int32)
+
+
+def single_matrix_blocks(rows: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_ids, block_matrix) for a dense linear: consecutive rows in blocks of `block_m`, all matrix 0."""
+    blocks = -(-rows // block_m)
+    row_ids = torch.arange(blocks * block_m, dtype=torch.int32, device=device)
+    row_ids = torch.where(row_ids < rows, row_ids, -1)
+    return row_ids, torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
+def grouped_blocks(
+    matrix_of_row: torch.Tensor, num_matrices: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_ids, block_matrix): rows of each matrix packed into consecutive blocks, in row order."""
+    device = matrix_of_row.device
+    ids = matrix_of_row.to(torch.int64)
+    rows = ids.shape[0]
+    max_blocks = -(-rows // block_m) + num_matrices
+    counts = torch.zeros(num_matrices, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    blocks_per_matrix = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks_per_matrix, 0)
+    row_start = torch.cumsum(counts, 0) - counts  # first sorted position of each matrix's rows
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    rank = torch.arange(rows, device=device) - row_start[sorted_ids]
+    position = (block_end - blocks_per_matrix)[sorted_ids] * block_m + rank
+    row_ids = torch.full((max_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    row_ids[position] = order.to(torch.int32)
+    block_matrix = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
+    block_matrix = torch.where(block_matrix < num_matrices, block_matrix, -1)
+    return row_ids, block_matrix.to(torch.int32)

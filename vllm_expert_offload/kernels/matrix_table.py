@@ -1,0 +1,62 @@
+"""The per-matrix facts a compiled EXL3 kernel needs, as device tensors: trellis address, K, codebook.
+
+Built once at load for every set of matrices one launch may read (one MoE projection's experts, or one
+dense linear), so a forward pass never builds a tensor from Python values: that would be a host-to-device
+copy inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..exl3.codebook import Codebook
+from ..exl3.tensors import Exl3Linear
+
+CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
+MIXED_CODEBOOKS = -1
+
+
+@dataclass(frozen=True)
+class MatrixTable:
+    trellis: torch.Tensor  # int64 (matrices,): address of each trellis, as the kernel dereferences it
+    twice_k: torch.Tensor  # int32 (matrices,): 2K, so 1.5/2.5/3.5 bits stay integers
+    codebook: torch.Tensor  # int32 (matrices,): CODEBOOK_IDS
+    uniform_codebook: int  # the common codebook id, or MIXED_CODEBOOKS (the kernel then reads `codebook`)
+    in_features: int  # padded, common to every matrix
+    out_features: int
+
+
+def matrix_table(
+    layers: Sequence[Exl3Linear], trellis_addresses: torch.Tensor | Sequence[int], device: torch.device | str
+) -> MatrixTable:
+    """Table over `layers` (same padded shape; K and codebook may differ) whose trellises the kernel reads at
+    `trellis_addresses` (an int64 pointer table already on `device`, or addresses to build one from)."""
+    shapes = {(layer.in_features, layer.out_features) for layer in layers}
+    if len(shapes) != 1:
+        names = [layer.name for layer in layers[:3]]
+        raise ValueError(f"one launch reads matrices of one shape; {names}... have shapes {sorted(shapes)}")
+    (in_features, out_features), = shapes
+    ids = [CODEBOOK_IDS[layer.codebook] for layer in layers]
+    return MatrixTable(
+        trellis=torch.as_tensor(trellis_addresses, dtype=torch.int64, device=device),
+        twice_k=torch.tensor([int(2 * layer.k) for layer in layers], dtype=torch.int32, device=device),
+        codebook=torch.tensor(ids, dtype=torch.int32, device=device),
+        uniform_codebook=ids[0] if len(set(ids)) == 1 else MIXED_CODEBOOKS,
+        in_features=in_features,
+        out_features=out_features,
+    )
+
+
+def own_addresses(layers: Sequence[Exl3Linear]) -> list[int]:
+    """Each trellis's own data_ptr: for tensors already where the kernel runs (VRAM, or the CPU interpreter)."""
+    return [layer.trellis.data_ptr() for layer in layers]
+
+
+
+def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """What the kernels multiply in: fp16 tensor-core products for half-precision models (bf16 activations
+    are rotated, then rounded to fp16, as exllamav3 does); exact fp32 products for fp32 models."""
+    return torch.float16 if dtype in (torch.float16, torch.bfloat16) else torch.float32
