@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import pytest
+import torch
 
-import pytest  # noqa: E402
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only in the interpreter; set before anything imports Triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

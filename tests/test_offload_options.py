@@ -37,6 +37,8 @@ def test_valid_options(tmp_path) -> None:
         ({"host_fraction": 0.5, "stats": "/tmp"}, "expert_offload.stats"),
         ({"min_free_fraction": 0.9}, "expert_offload.min_free_fraction"),
         ({"record_stats": ""}, "expert_offload.record_stats"),
+        ({"kernel": "cuda"}, "expert_offload.kernel"),
+        ({"dequantize_linears": "yes"}, "expert_offload.dequantize_linears"),
     ],
 )
 def test_bad_values_refused_with_key_named(raw: dict, named: str) -> None:
@@ -69,3 +71,10 @@ def test_crash_line_when_experts_cannot_cover_it() -> None:
     with pytest.raises(CrashLineError, match="would not free enough"):
         check_crash_line(free_bytes=0, total_bytes=100 * GIB, min_free_fraction=0.03,
                          gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB])
+
+
+def test_kernel_options_parsed() -> None:
+    assert parse_offload_options(None).kernel == "auto"
+    opts = parse_offload_options({"expert_offload": {"kernel": "triton", "dequantize_linears": True}})
+    assert (opts.kernel, opts.dequantize_linears) == ("triton", True)
+    assert not opts.offloads  # choosing a kernel places nothing

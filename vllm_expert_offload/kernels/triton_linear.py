@@ -4,6 +4,8 @@ instead of tracing into Triton launches over raw pointers; the op finds its kern
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -44,12 +46,15 @@ class TritonLinear:
         return sum(s.out_rows for s in self.shards)
 
 
-_KERNELS: list[TritonLinear] = []
+# Weak: a layer owns its kernel, the registry only finds it, so dropped models free their trellises.
+_KERNELS: weakref.WeakValueDictionary[int, TritonLinear] = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
 
 
 def _register(kernel: TritonLinear) -> int:
-    _KERNELS.append(kernel)
-    return len(_KERNELS) - 1
+    kernel_id = next(_NEXT_ID)
+    _KERNELS[kernel_id] = kernel
+    return kernel_id
 
 
 @torch.library.custom_op("vllm_expert_offload::exl3_linear", mutates_args=())

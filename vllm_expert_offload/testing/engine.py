@@ -27,6 +27,7 @@ class EngineSpec:
     dtype: str = "float32"
     max_model_len: int = 1024
     additional_config: dict | None = None
+    enforce_eager: bool = True  # False: torch.compile and CUDA graphs on a GPU (graph-safe backends only)
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
 
@@ -67,7 +68,7 @@ def _run(spec: EngineSpec) -> dict:
 
     kwargs = {"additional_config": spec.additional_config} if spec.additional_config else {}
     llm = LLM(
-        spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=True,
+        spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager,
         block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
     )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)

@@ -1,0 +1,24 @@
+"""The Triton backend inside the real vLLM CPU engine (kernels run in Triton's interpreter): every EXL3
+product, routed experts from both tiers and every dense linear, goes through the Triton kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_engine_e2e import Model
+from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
+
+pytestmark = pytest.mark.engine
+TRITON_HALF_HOST = {"expert_offload": {"host_fraction": 0.5, "kernel": "triton"}}
+
+
+def test_triton_backend_serves_reference_tokens_with_half_the_experts_on_host() -> None:
+    Model.get("qwen3_moe").check(block_size=64, additional_config=TRITON_HALF_HOST, extra_env={"TRITON_INTERPRET": "1"})
+
+
+def test_triton_asked_for_without_the_interpreter_is_refused_at_startup() -> None:
+    model = Model.get("qwen3_moe")
+    spec = EngineSpec(model.exl3, model.prompts[:1], 1, additional_config=TRITON_HALF_HOST,
+                      extra_env={"TRITON_INTERPRET": "0"})
+    with pytest.raises(RuntimeError, match=r"kernel='triton' cannot run: .*TRITON_INTERPRET=1 is not set"):
+        generate_greedy(spec)
