@@ -67,6 +67,23 @@ def test_crash_line_refuses_with_both_remedies() -> None:
     assert "at least 4 more experts to the host tier" in message
 
 
+def test_crash_line_counts_the_activation_headroom_as_taken() -> None:
+    """5 GiB free right after the KV cache passes a 3 % line, unless vLLM's activation peak will take 4 of them."""
+    args = dict(free_bytes=5 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03, gpu_memory_utilization=0.95,
+                gpu_expert_sizes=[GIB] * 4)
+    check_crash_line(**args, activation_headroom=2 * GIB)
+    with pytest.raises(CrashLineError) as err:
+        check_crash_line(**args, activation_headroom=4 * GIB)
+    assert "4.00 GiB is vLLM's activation headroom, leaving 1.00 GiB" in str(err.value)
+    assert "--gpu-memory-utilization to 0.930" in str(err.value)
+
+
+def test_crash_line_advice_follows_an_explicit_kv_cache_size() -> None:
+    with pytest.raises(CrashLineError, match=f"--kv-cache-memory to {20 * GIB - 2 * GIB} or less"):
+        check_crash_line(free_bytes=1 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB], kv_cache_memory_bytes=20 * GIB)
+
+
 def test_crash_line_when_experts_cannot_cover_it() -> None:
     with pytest.raises(CrashLineError, match="would not free enough"):
         check_crash_line(free_bytes=0, total_bytes=100 * GIB, min_free_fraction=0.03,

@@ -154,3 +154,28 @@ def test_hadamard_float32_blockwise():
     expected = ref.block_hadamard(256) @ x.double().numpy()
     np.testing.assert_allclose(hadamard_rows(x).double().numpy(), expected, rtol=0, atol=1e-5)
     np.testing.assert_allclose(hadamard_last(x.T.contiguous()).double().numpy(), expected.T, rtol=0, atol=1e-5)
+
+
+def test_decoder_constants_are_cached_per_device() -> None:
+    """A forward pass must not copy the reference decoder's constants to the device on every call (a CUDA graph
+    cannot record such copies): each device gets its copy once. The meta device stands in for a GPU."""
+    from vllm_expert_offload.exl3.codebook import Codebook, codebook_table
+    from vllm_expert_offload.exl3.ring import _window_words
+    from vllm_expert_offload.exl3.tile import tile_permutation, tile_permutation_inverse
+
+    meta = torch.device("meta")
+    for make in (lambda d: hadamard_128(torch.float32, d), lambda d: codebook_table(Codebook.MUL1, d),
+                 lambda d: tile_permutation(d), lambda d: tile_permutation_inverse(d), lambda d: _window_words(3, d)[0]):
+        first = make(meta)
+        assert first.device == meta and make(meta) is first
+        assert make("cpu").device == torch.device("cpu")
+
+
+def test_codebook_marker_stays_on_the_cpu_under_a_device_context() -> None:
+    from vllm_expert_offload.exl3 import Codebook, Exl3Linear
+
+    layer = Exl3Linear("x", torch.zeros(8, 8, 48, dtype=torch.int16), torch.ones(128, dtype=torch.float16),
+                       torch.ones(128, dtype=torch.float16), Codebook.MUL1, 3)
+    with torch.device("meta"):  # as vLLM builds layers under `with torch.device("cuda")`
+        marker = layer.tensors()["mul1"]
+    assert marker.device == torch.device("cpu") and int(marker) == Codebook.MUL1.marker_value

@@ -62,8 +62,10 @@ def _mul1_values(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def codebook_table(codebook: Codebook) -> torch.Tensor:
-    """fp16 value of every 16-bit state, shape (65536,), on the CPU."""
+def codebook_table(codebook: Codebook, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp16 value of every 16-bit state, shape (65536,), cached per device (never copied per call)."""
+    if torch.device(device) != torch.device("cpu"):
+        return codebook_table(codebook).to(device)
     state = torch.arange(65536, dtype=torch.int64)
     if codebook is Codebook.INST3:
         return _lop3_halves((state * INST3_MULTIPLIER + INST3_ADDEND) & _MASK32)
@@ -74,5 +76,5 @@ def codebook_table(codebook: Codebook) -> torch.Tensor:
 
 def codebook_values(codebook: Codebook, states: torch.Tensor) -> torch.Tensor:
     """Decode integer states (any shape, any device) to fp16."""
-    table = codebook_table(codebook).to(states.device)
+    table = codebook_table(codebook, states.device)
     return table[states.long()]

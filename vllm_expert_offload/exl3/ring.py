@@ -29,12 +29,14 @@ def _words_to_int16(words: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _window_words(k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_words(k: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each position: the two ring words its 16-bit window spans, and the right shift that aligns it.
 
     The window [S(p) - 16, S(p)) mod R starts at bit `off` of word `a`; since 16 <= 32 it ends in word
-    a or a+1 (mod the word count), so one 64-bit merge and one shift extract it.
+    a or a+1 (mod the word count), so one 64-bit merge and one shift extract it. Cached per device.
     """
+    if torch.device(device) != torch.device("cpu"):
+        return tuple(t.to(device) for t in _window_words(k))
     r = ring_bits(k)
     start = (position_ends(k) - 16) % r
     first = start // 32
@@ -47,7 +49,7 @@ def unpack_states(trellis: torch.Tensor, k: float) -> torch.Tensor:
     """Packed tiles (..., 16K) int16 -> 16-bit states (..., 256) int64 in ring position order."""
     lead = trellis.shape[:-1]
     words = _int16_to_words(trellis.reshape(-1, trellis.shape[-1]))
-    first, second, shift = (t.to(trellis.device) for t in _window_words(k))
+    first, second, shift = _window_words(k, trellis.device)
     out = torch.empty(words.shape[0], POSITIONS, dtype=torch.int64, device=trellis.device)
     for start in range(0, words.shape[0], _TILE_CHUNK):
         chunk = words[start : start + _TILE_CHUNK]

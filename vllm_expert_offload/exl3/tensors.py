@@ -49,7 +49,9 @@ class Exl3Linear:
         """The suffix -> tensor map exllamav3 writes for this set (modern suh/svh form)."""
         out = {"trellis": self.trellis, "suh": self.suh, "svh": self.svh}
         if self.codebook.marker_suffix is not None:
-            out[self.codebook.marker_suffix] = torch.tensor(self.codebook.marker_value, dtype=torch.int32)
+            # On the CPU even when built under vLLM's `with torch.device("cuda")`: a marker is only ever read back
+            # as a Python int, and thousands of tiny device tensors would each cost an allocation and a sync.
+            out[self.codebook.marker_suffix] = torch.tensor(self.codebook.marker_value, dtype=torch.int32, device="cpu")
         if self.bias is not None:
             out["bias"] = self.bias
         return out
