@@ -9,9 +9,10 @@ import pytest
 from vllm_expert_offload.integration.startup import readiness
 
 
-def _config(quantization: str = "exl3", block: int = 64, max_len: int = 1024):
+def _config(quantization: str = "exl3", block: int = 64, max_len: int = 1024, batched: int = 64):
     model = SimpleNamespace(quantization=quantization, max_model_len=max_len, get_vocab_size=lambda: 1000)
-    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=block))
+    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=block),
+                           scheduler_config=SimpleNamespace(max_num_batched_tokens=batched))
 
 
 class FakeEngine:
@@ -48,6 +49,12 @@ def test_prompt_spans_more_than_two_blocks() -> None:
     assert len(prompt["prompt_token_ids"]) == 2 * 128 + 1
     assert all(0 <= t < 1000 for t in prompt["prompt_token_ids"])
     assert params.max_tokens == readiness.DECODE_STEPS and params.temperature == 0.0
+
+
+def test_prompt_fills_one_scheduler_step() -> None:
+    """On a GPU the default step is thousands of tokens: the smoke runs the largest forward the server will."""
+    prompt, _ = readiness.smoke_request(_config(block=16, max_len=8192, batched=2048))
+    assert len(prompt["prompt_token_ids"]) == 2048
 
 
 def test_prompt_capped_by_max_model_len() -> None:

@@ -3,7 +3,8 @@
 A benchmark of short prompts can pass on a configuration that dies on the first ordinary long prefill
 (a lazily allocated buffer, a page-geometry bug, an unreachable host-tier expert). So, before `LLM(...)`
 returns and before `vllm serve` starts listening, the engine prefills more than two KV blocks and decodes
-a few tokens; a failure stops startup with its cause. Afterwards the prefix cache and the routing
+a few tokens; a failure stops startup with its cause. The prefill is as long as one scheduler step
+allows (`max_num_batched_tokens`, within `max_model_len`). Afterwards the prefix cache and the routing
 statistics are reset, so the smoke leaves no trace in what users see. Off with
 VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0.
 """
@@ -45,7 +46,10 @@ def smoke_request(vllm_config) -> tuple[dict, SamplingParams] | None:
         return None
     block = vllm_config.cache_config.block_size
     vocab = vllm_config.model_config.get_vocab_size()
-    length = min(2 * block + 1, vllm_config.model_config.max_model_len - DECODE_STEPS)
+    # One full scheduler step of prefill (the largest forward the server will run: its activations, the
+    # MoE's widest expert grouping), and never less than two blocks and one token.
+    wanted = max(2 * block + 1, vllm_config.scheduler_config.max_num_batched_tokens)
+    length = min(wanted, vllm_config.model_config.max_model_len - DECODE_STEPS)
     prompt = {"prompt_token_ids": [(i * 7919 + 13) % vocab for i in range(length)]}
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True, detokenize=False)
     return prompt, params
