@@ -119,7 +119,7 @@ def placed_moe(crop: ExpertCrop, swiglu_limit: float | None = None, seed: int = 
     experts, scales = stack_scales(placed, device)
     tables = build_pointer_tables(experts, kernel_address(arena, device), device)
     reference = TableMoE(experts, tables, arena, crop, torch.float32, device, swiglu_limit)
-    triton = TritonMoE(experts, tables, scales, crop, device, swiglu_limit)
+    triton = TritonMoE(experts, tables, scales, arena, crop, device, swiglu_limit)
     return reference, triton, arena
 
 

@@ -112,7 +112,7 @@ def build_moe_kernel(
     if choice.moe == "triton":
         from .triton_moe import TritonMoE
 
-        return TritonMoE(experts, tables, scales, crop, device, swiglu_limit)
+        return TritonMoE(experts, tables, scales, arena, crop, device, swiglu_limit)
     return TableMoE(experts, tables, arena, crop, dtype, device, swiglu_limit)
 
 

@@ -16,6 +16,7 @@ import torch
 from ..exl3.naming import PROJECTIONS
 from .activation import silu_and_mul
 from .expert_blocks import grouped_blocks, per_row_blocks
+from ..memory.arena import HostArena
 from .matrix_table import dot_dtype_for, matrix_table
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
 from .table_moe import ExpertCrop
@@ -30,11 +31,14 @@ class TritonMoE:
         experts: Sequence[PlacedExpert],
         tables: PointerTables,
         scales: ScaleStacks,
+        arena: HostArena | None,
         crop: ExpertCrop,
         device: torch.device,
         swiglu_limit: float | None = None,
     ) -> None:
-        self.experts = list(experts)  # owns the GPU-tier tensors: the tables hold only their raw addresses
+        # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
+        self.experts = list(experts)
+        self.arena = arena
         self.tables = {
             p: matrix_table([e.projections[p] for e in experts], tables.table(p, "trellis"), device) for p in PROJECTIONS
         }

@@ -8,6 +8,12 @@ entries. One anonymous mmap, registered once with cudaHostRegister(MAPPED|PORTAB
 Order of operations matters: mmap (no pages yet) -> mbind to the GPU's NUMA node -> cudaHostRegister, which
 faults in and locks every page, so the pages land on the bound node. Consequently a registered arena is
 resident for its full capacity: size it to the records it will hold (sum of `align_up(record_bytes)`).
+A strict bind on a node with less free memory than the arena would let the kernel OOM-kill the worker while
+registration faults the pages in, so then the node is only preferred (the rest spills to other nodes), with
+a warning that gives the numbers.
+
+Release: unregister, then unmap, exactly once: from `close()`, or from a finalizer when the arena is
+collected or the process exits (engine shutdown), logged either way.
 
 On a CPU-only machine the same code runs minus the CUDA registration, and `device_address` returns the host
 address: the layout, alignment, bounds and NUMA bookkeeping are what CPU tests check, and an unregistered
@@ -23,16 +29,19 @@ import math
 import mmap
 import os
 import platform
+import weakref
 
 import torch
 
 from . import _cuda_host
-from .topology import format_cpulist, online_numa_nodes
+from .topology import format_cpulist, node_free_bytes, online_numa_nodes
 
 logger = logging.getLogger(__name__)
 
 RECORD_ALIGNMENT = 4096  # page size: records never share a page, and every record suits any vector load
+MPOL_PREFERRED = 1
 MPOL_BIND = 2
+_MODE_NAMES = {MPOL_PREFERRED: "MPOL_PREFERRED", MPOL_BIND: "MPOL_BIND"}
 SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259, "s390x": 235}
 _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 
@@ -55,8 +64,8 @@ def _syscall(*args: object) -> int:
     return _libc().syscall(*args)
 
 
-def bind_to_node(address: int, length: int, node: int) -> None:
-    """mbind(MPOL_BIND) the range to one node before any page is touched (first touch decides placement).
+def bind_to_node(address: int, length: int, node: int, mode: int = MPOL_BIND) -> None:
+    """mbind the range to one node (strictly, or preferred) before any page is touched (first touch decides).
 
     Through the raw syscall because glibc has no mbind wrapper (it lives in libnuma, which may be absent).
     """
@@ -70,14 +79,14 @@ def bind_to_node(address: int, length: int, node: int) -> None:
         ctypes.c_long(SYS_MBIND[machine]),
         ctypes.c_void_p(address),
         ctypes.c_ulong(length),
-        ctypes.c_int(MPOL_BIND),
+        ctypes.c_int(mode),
         mask,
         ctypes.c_ulong(maxnode),
         ctypes.c_uint(0),
     )
     if ret != 0:
         errno = ctypes.get_errno()
-        raise OSError(errno, f"mbind(MPOL_BIND, node {node}) of {length} bytes at {address:#x} failed: "
+        raise OSError(errno, f"mbind({_MODE_NAMES[mode]}, node {node}) of {length} bytes at {address:#x} failed: "
                       f"{os.strerror(errno)}")
 
 
@@ -104,7 +113,9 @@ class HostArena:
             with torch.cuda.device(self.device):
                 self._device_base = _cuda_host.host_device_pointer(self._host_base)
         self._base_uses = self._storage_uses()
-        self._closed = False
+        self._finalizer = weakref.finalize(
+            self, _release, self._mmap, self._host_base, self._capacity, self.device.type == "cuda"
+        )
 
     def _bind(self, node: int | None) -> int | None:
         """The node the buffer is bound to, or None when binding was not requested or is moot."""
@@ -117,7 +128,16 @@ class HostArena:
             logger.info("arena: NUMA binding to node %d skipped: the kernel reports %s", node,
                         "one NUMA node" if nodes else "no NUMA nodes")
             return None
-        bind_to_node(self._host_base, self._capacity, node)
+        free = node_free_bytes(node)
+        mode = MPOL_BIND
+        if free is not None and free < self._capacity:
+            mode = MPOL_PREFERRED
+            logger.warning(
+                "arena: NUMA node %d has %.2f GiB free but the arena needs %.2f GiB; preferring the node instead of "
+                "binding strictly (the rest lands on other nodes rather than the kernel killing this worker)",
+                node, free / 2**30, self._capacity / 2**30,
+            )
+        bind_to_node(self._host_base, self._capacity, node, mode)
         return node
 
     def _storage_uses(self) -> int:
@@ -126,7 +146,7 @@ class HostArena:
         return torch._C._storage_Use_Count(self._buffer.untyped_storage()._cdata)
 
     def _require_open(self) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError("the host arena is closed")
 
     @property
@@ -190,13 +210,19 @@ class HostArena:
         return offset
 
     def close(self) -> None:
-        """Unregister and unmap. Refused while views are alive: unmapping would leave them dangling."""
-        if self._closed:
+        """Unregister and unmap now. Refused while views are alive: unmapping would leave them dangling."""
+        if not self._finalizer.alive:
             return
         if self._storage_uses() > self._base_uses:
             raise RuntimeError("host arena still has live views; drop every tensor viewing it before close()")
-        if self.device.type == "cuda":
-            _cuda_host.host_unregister(self._host_base)
         del self._buffer
-        self._mmap.close()
-        self._closed = True
+        self._finalizer()
+
+
+def _release(mapping: mmap.mmap, host_base: int, capacity: int, registered: bool) -> None:
+    """Unregister (after the device has finished every kernel that may read the mapping), then unmap."""
+    if registered:
+        torch.cuda.synchronize()
+        _cuda_host.host_unregister(host_base)
+    mapping.close()
+    logger.info("host arena released: %.1f MiB %sunmapped", capacity / 2**20, "unregistered and " if registered else "")

@@ -56,6 +56,15 @@ def online_numa_nodes(root: str | Path = "/") -> tuple[int, ...]:
     return parse_cpulist(_read(Path(root) / NUMA_NODES / "online") or "")
 
 
+def node_free_bytes(node: int, root: str | Path = "/") -> int | None:
+    """MemFree of one NUMA node from its meminfo ("Node 0 MemFree:  123 kB"); None when not exposed."""
+    for line in (_read(Path(root) / NUMA_NODES / f"node{node}" / "meminfo") or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == "MemFree:":
+            return int(fields[3]) * 1024
+    return None
+
+
 def node_cpus(node: int, root: str | Path = "/") -> tuple[int, ...]:
     return parse_cpulist(_read(Path(root) / NUMA_NODES / f"node{node}" / "cpulist") or "")
 
