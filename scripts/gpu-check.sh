@@ -29,8 +29,19 @@ step versions python3 -c "import torch, triton; print('torch', torch.__version__
 step topology python3 -m vllm_expert_offload.cli topology
 step "GPU tests: mapped arena, tables over PCIe, Triton kernels, CUDA-graph replay" \
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_arena.py tests/test_pointer_tables.py tests/test_triton_gpu.py
+limits=()
+if [ -f ../shared/tools/gpu-limits/limits.py ]; then
+    step "physical limits (pinned H2D copy, zero-copy reads by size, HBM)" \
+        sh -c "python3 ../shared/tools/gpu-limits/limits.py --gib 1 > '$OUT/limits.json'" && limits=(--limits "$OUT/limits.json")
+    cat "$OUT/limits.json" 2>/dev/null
+else
+    echo "== ../shared/tools/gpu-limits absent: kernel figures without rooflines"
+fi
+step "EXL3 kernels per backend beside their rooflines" \
+    python3 benchmarks/bench_gpu_kernels.py --json "$OUT/gpu-check.json" "${limits[@]}"
 if python3 -c "import vllm" 2>/dev/null; then
-    step "tiny EXL3 MoE on the CUDA engine, per backend, tokens vs HF" python3 scripts/gpu_engine_check.py
+    STEP_TIMEOUT_S=300 step "tiny EXL3 MoE on the CUDA engine: V1/V2 runners, per backend, tokens vs HF" \
+        python3 scripts/gpu_engine_check.py
 else
     echo "== no vLLM CUDA build importable: engine step not run"; failed+=("engine (no vLLM)")
 fi

@@ -1,6 +1,7 @@
 """Engine part of scripts/gpu-check.sh: the tiny EXL3 MoE served by the CUDA engine with each backend, half
-and all of the experts in the host tier, at block 64 and 128; greedy tokens compared with HF on the dense
-twin (float32). Triton runs without --enforce-eager (CUDA graphs), the torch reference with it."""
+and all of the experts in the host tier, at block 64 and 128, on Model Runner V2 (vLLM's CUDA default) and V1
+(VLLM_USE_V2_MODEL_RUNNER=0); greedy tokens compared with HF on the dense twin (float32). Triton runs without
+--enforce-eager (torch.compile + CUDA graphs), the torch reference with it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
 
 MAX_TOKENS = 24
+# (VLLM_USE_V2_MODEL_RUNNER, kernel, enforce_eager, block size, host fraction): four engine starts fit the budget.
+RUNS = (
+    ("1", "triton", False, 64, 1.0),
+    ("1", "triton", False, 128, 0.5),
+    ("1", "torch", True, 128, 0.5),
+    ("0", "triton", False, 64, 1.0),
+)
 
 
 def main() -> int:
@@ -20,16 +28,21 @@ def main() -> int:
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (7, 300, 600)]
     reference = hf_greedy(str(build_dense_twin(model)), prompts, MAX_TOKENS)
     failures = 0
-    for kernel, eager in (("triton", False), ("torch", True)):
-        for block, host_fraction in ((64, 1.0), (128, 0.5)):
-            offload = {"expert_offload": {"host_fraction": host_fraction, "kernel": kernel}}
-            spec = EngineSpec(model, prompts, MAX_TOKENS, block_size=block, additional_config=offload,
-                              enforce_eager=eager, extra_env={"VLLM_TARGET_DEVICE": "cuda", "TRITON_INTERPRET": "0"})
+    for runner, kernel, eager, block, host_fraction in RUNS:
+        offload = {"expert_offload": {"host_fraction": host_fraction, "kernel": kernel}}
+        env = {"VLLM_TARGET_DEVICE": "cuda", "TRITON_INTERPRET": "0", "VLLM_USE_V2_MODEL_RUNNER": runner}
+        spec = EngineSpec(model, prompts, MAX_TOKENS, block_size=block, additional_config=offload,
+                          enforce_eager=eager, extra_env=env)
+        try:
             tokens, seconds = generate_timed(spec)
-            result = compare_greedy(reference, tokens)
-            failures += not result.matched
-            print(f"{kernel:7s} eager={eager!s:5s} block {block:3d} host {host_fraction:.1f}: "
-                  f"{len(prompts) * MAX_TOKENS / seconds:7.1f} tok/s  {result}", flush=True)
+        except RuntimeError as exc:
+            failures += 1
+            print(f"runner V{2 if runner == '1' else 1} {kernel}: engine failed\n{exc}", flush=True)
+            continue
+        result = compare_greedy(reference, tokens)
+        failures += not result.matched
+        print(f"runner V{2 if runner == '1' else 1} {kernel:7s} eager={eager!s:5s} block {block:3d} "
+              f"host {host_fraction:.1f}: {len(prompts) * MAX_TOKENS / seconds:7.1f} tok/s  {result}", flush=True)
     return 1 if failures else 0
 
 
