@@ -19,10 +19,13 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 # Registered, not just importable: vLLM finds the plugin through its entry point in every process.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu-check: cannot install the plugin" >&2; exit 2; }
 failed=()
-step() {
+step() {  # run one bounded step; a failure is recorded and returned, the run goes on
     local name="$1"; shift
     echo "== $name"
-    if ! timeout "${STEP_TIMEOUT_S:-240}" "$@"; then failed+=("$name"); fi
+    timeout "${STEP_TIMEOUT_S:-240}" "$@"
+    local rc=$?
+    [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+    return "$rc"
 }
 step machine nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
 step versions python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
