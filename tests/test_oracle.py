@@ -10,10 +10,25 @@ from vllm_expert_offload.kernels.oracle import BackendUnavailable, choose_kernel
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU to exist
 
 
-def test_auto_on_cpu_is_the_torch_reference_with_dense_linears() -> None:
+def test_auto_on_cpu_is_the_compiled_cpu_kernel_for_every_layer() -> None:
     choice = choose_kernels("auto", CPU)
-    assert (choice.moe, choice.linear) == ("torch", "dequantized")
-    assert "CPU" in choice.reason and not choice.graph_safe
+    assert (choice.moe, choice.linear) == ("cpu", "cpu") and "compiled CPU kernel" in choice.reason
+
+
+def test_without_the_cpu_kernel_auto_says_why_and_asking_for_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.kernels import cpu_exl3
+
+    monkeypatch.setattr(cpu_exl3, "cpu_kernel_unavailable", lambda: "building exl3_cpu.cpp failed: no compiler")
+    choice = choose_kernels("auto", CPU)
+    assert (choice.moe, choice.linear) == ("torch", "dequantized") and not choice.graph_safe
+    assert "compiled CPU kernel is unavailable (building exl3_cpu.cpp failed: no compiler)" in choice.reason
+    with pytest.raises(BackendUnavailable, match="kernel='cpu' cannot run: building exl3_cpu.cpp failed"):
+        choose_kernels("cpu", CPU)
+
+
+def test_cpu_kernel_refused_for_layers_on_a_gpu() -> None:
+    with pytest.raises(BackendUnavailable, match="kernel='cpu' cannot run: .*computes on CPU tensors"):
+        choose_kernels("cpu", CUDA)
 
 
 def test_auto_on_cuda_passes_over_exllamav3_with_the_reason_and_takes_triton() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_triton_kernels import FULL, assert_close_to_reference, placed_moe, routing
+from test_exl3_kernels import FULL, assert_close_to_reference, placed_moe, routing
+from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -14,7 +15,7 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.mark.parametrize("tokens", [1, 8, 9, 64, 300])
 def test_compiled_moe_matches_reference_with_host_tier_over_pcie(tokens: int) -> None:
-    reference, triton, _ = placed_moe(FULL, device=CUDA)
+    reference, triton, _ = placed_moe(FULL, TRITON_MATMUL, device=CUDA)
     x, weights, ids = routing(tokens, seed=tokens, device=CUDA)
     assert_close_to_reference(triton.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
@@ -23,7 +24,7 @@ def test_compiled_moe_matches_reference_with_host_tier_over_pcie(tokens: int) ->
 def test_cuda_graph_replay_equals_eager(tokens: int) -> None:
     """Captured once, replayed on new routing: the tables' baked addresses (VRAM and host arena) and the
     shape-only block layouts must give what eager execution gives."""
-    _, triton, _ = placed_moe(FULL, device=CUDA)
+    _, triton, _ = placed_moe(FULL, TRITON_MATMUL, device=CUDA)
     x, weights, ids = routing(tokens, seed=0, device=CUDA)
     triton.forward(x, weights, ids, False)  # compile the kernel before capture
     torch.cuda.synchronize()

@@ -5,7 +5,8 @@ A vLLM linear may fuse several checkpoint tensor sets (q/k/v, gate/up); each is 
 part sits in it. Backends:
 - `DequantizedLinear` decodes every shard once at load and runs a plain matmul (the CPU path, and the
   explicit `dequantize_linears` opt-in on a GPU, at about 5x the quantized size in memory);
-- `TritonLinear` (triton_linear.py) reads the trellis in place on every call and keeps nothing decoded.
+- `RotatedLinear` (rotated.py) reads the trellis in place on every call (Triton or the CPU kernel) and keeps
+  nothing decoded.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """The one place that decides which backend computes EXL3 layers; layer code never branches on hardware.
 
-`expert_offload.kernel` asks for a backend: "auto" (default), "exllamav3", "triton" or "torch".
-- auto: exllamav3 when its backend can run, else Triton on CUDA, else the torch reference on a CPU.
+`expert_offload.kernel` asks for a backend: "auto" (default), "cpu", "exllamav3", "triton" or "torch".
+- auto: on CUDA exllamav3 when its backend can run, else Triton; on a CPU the compiled CPU kernel, else the
+  torch reference (with the reason the CPU kernel is unavailable).
 - A backend asked for by name that cannot run here is refused at startup with the reason, never replaced.
 The decision is made once per process for each layer kind and logged in one line with its reasons.
 
 Backends and what they compute:
+- cpu: `RotatedMoE` and `RotatedLinear` over the compiled CPU kernel (csrc/exl3_cpu.cpp), every trellis read in
+  place, nothing kept decoded: the CPU production path.
 - torch: routed experts through `TableMoE` (decodes per batch: host syncs, needs --enforce-eager on a GPU);
-  dense linears decoded once at load. The CPU production path today.
-- triton: `TritonMoE` and `TritonLinear` read every trellis in place (CUDA, or the interpreter on a CPU
-  with TRITON_INTERPRET=1); no host sync, CUDA-graph safe; dense linears keep nothing decoded unless
+  dense linears decoded once at load. The reference, and the fallback where the CPU kernel cannot be built.
+- triton: `RotatedMoE` and `RotatedLinear` over the Triton kernel (CUDA, or the interpreter on a CPU with
+  TRITON_INTERPRET=1); no host sync, CUDA-graph safe. Dense linears keep nothing decoded unless
   `dequantize_linears` asks for it.
 - exllamav3: its compiled kernels over the same pointer tables; not wired in this version, so asking for
   it is refused with that reason, and auto passes over it.
@@ -26,9 +29,10 @@ import torch
 
 from .linear import DequantizedLinear, LinearShard
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
+from .rotated import MatmulBackend, RotatedLinear, RotatedMoE
 from .table_moe import ExpertCrop, TableMoE
 
-BACKENDS = ("auto", "exllamav3", "triton", "torch")
+BACKENDS = ("auto", "cpu", "exllamav3", "triton", "torch")
 logger = logging.getLogger("vllm.expert_offload")
 
 
@@ -66,6 +70,15 @@ def triton_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def cpu_unavailable(device: torch.device) -> str | None:
+    """None when the compiled CPU kernel can run on `device`, else why not (building it on first use)."""
+    if device.type != "cpu":
+        return f"the CPU kernel computes on CPU tensors, and this layer lives on {device}"
+    from .cpu_exl3 import cpu_kernel_unavailable
+
+    return cpu_kernel_unavailable()
+
+
 def choose_kernels(requested: str, device: torch.device, dequantize_linears: bool = False) -> KernelChoice:
     """The backend for each layer kind on `device`, or BackendUnavailable naming the option and the reason."""
     if requested not in BACKENDS:
@@ -73,7 +86,12 @@ def choose_kernels(requested: str, device: torch.device, dequantize_linears: boo
     if requested == "auto":
         moe, reason = _auto(device)
     else:
-        refusal = {"exllamav3": exllamav3_unavailable(), "triton": triton_unavailable(device), "torch": None}[requested]
+        refusal = {
+            "cpu": lambda: cpu_unavailable(device),
+            "exllamav3": exllamav3_unavailable,
+            "triton": lambda: triton_unavailable(device),
+            "torch": lambda: None,
+        }[requested]()
         if refusal is not None:
             raise BackendUnavailable(f"--additional-config expert_offload.kernel={requested!r} cannot run: {refusal}")
         moe, reason = requested, "asked for by expert_offload.kernel"
@@ -87,7 +105,10 @@ def choose_kernels(requested: str, device: torch.device, dequantize_linears: boo
 
 def _auto(device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
-        return "torch", "CPU: the torch reference (no compiled CPU kernel in this version)"
+        why_not_cpu = cpu_unavailable(device)
+        if why_not_cpu is None:
+            return "cpu", "CPU: the compiled CPU kernel"
+        return "torch", f"CPU: the torch reference, because the compiled CPU kernel is unavailable ({why_not_cpu})"
     why_not_triton = triton_unavailable(device)
     if why_not_triton is None:
         return "triton", f"{device.type}: exllamav3 passed over ({exllamav3_unavailable()})"
@@ -109,16 +130,25 @@ def build_moe_kernel(
     device: torch.device,
     swiglu_limit: float | None = None,
 ):
-    if choice.moe == "triton":
-        from .triton_moe import TritonMoE
-
-        return TritonMoE(experts, tables, scales, arena, crop, device, swiglu_limit)
-    return TableMoE(experts, tables, arena, crop, dtype, device, swiglu_limit)
+    if choice.moe == "torch":
+        return TableMoE(experts, tables, arena, crop, dtype, device, swiglu_limit)
+    return RotatedMoE(experts, tables, scales, arena, crop, device, _matmul_backend(choice.moe), swiglu_limit)
 
 
 def build_linear_kernel(choice: KernelChoice, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device):
-    if choice.linear == "triton":
-        from .triton_linear import TritonLinear
+    if choice.linear == "dequantized":
+        return DequantizedLinear(shards, dtype, device)
+    return RotatedLinear(shards, device, _matmul_backend(choice.linear))
 
-        return TritonLinear(shards, device)
-    return DequantizedLinear(shards, dtype, device)
+
+def _matmul_backend(name: str) -> MatmulBackend:
+    """The launcher of a trellis-reading backend, imported only where it is used (Triton, the C++ build)."""
+    if name == "triton":
+        from .triton_exl3 import TRITON_MATMUL
+
+        return TRITON_MATMUL
+    if name == "cpu":
+        from .cpu_exl3 import CPU_MATMUL
+
+        return CPU_MATMUL
+    raise ValueError(f"{name!r} is not a trellis-reading backend")

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..exl3.hadamard import hadamard_last
-from .matrix_table import MatrixTable
+from .matrix_table import MatrixTable, dot_dtype_for
+from .rotated import MatmulBackend
 
 
 @triton.jit
@@ -142,14 +142,6 @@ def launch_exl3_matmul(
     )
 
 
-def exl3_matmul(
-    x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor,
-    table: MatrixTable, dot_dtype: torch.dtype,
-) -> torch.Tensor:
-    """y = x @ W for the matrix of each row's block, in fp32: had(x ⊙ suh) through the kernel, then
-    had(·) ⊙ svh (exl3-format.md §2.1). x: (rows, in_features); suh/svh: one row per x row, or one for all.
-    The input is rounded to `dot_dtype` after its rotation, as exllamav3's kernels round it to fp16."""
-    rotated = hadamard_last(x.float() * suh.float()).to(dot_dtype)
-    acc = torch.zeros(x.shape[0], table.out_features, dtype=torch.float32, device=x.device)
-    launch_exl3_matmul(rotated, row_ids, block_matrix, table, acc)
-    return hadamard_last(acc) * svh.float()
+
+TRITON_MATMUL = MatmulBackend("triton", launch_exl3_matmul, block_m=BLOCK_M, per_slot_max_tokens=8,
+                              dot_dtype=dot_dtype_for)

@@ -1,5 +1,6 @@
-"""The Triton backend inside the real vLLM CPU engine (kernels run in Triton's interpreter): every EXL3
-product, routed experts from both tiers and every dense linear, goes through the Triton kernel."""
+"""Backends other than the CPU default inside the real vLLM CPU engine (the default, the compiled CPU kernel,
+serves every other engine test): Triton in its interpreter, where every EXL3 product, routed experts from both
+tiers and every dense linear, goes through the Triton kernel; and the torch reference it is all tested against."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ TRITON_HALF_HOST = {"expert_offload": {"host_fraction": 0.5, "kernel": "triton"}
 
 def test_triton_backend_serves_reference_tokens_with_half_the_experts_on_host() -> None:
     Model.get("qwen3_moe").check(block_size=64, additional_config=TRITON_HALF_HOST, extra_env={"TRITON_INTERPRET": "1"})
+
+
+def test_torch_reference_backend_serves_reference_tokens_with_half_the_experts_on_host() -> None:
+    torch_half_host = {"expert_offload": {"host_fraction": 0.5, "kernel": "torch"}}
+    Model.get("qwen3_moe").check(block_size=128, additional_config=torch_half_host)
 
 
 def test_triton_asked_for_without_the_interpreter_is_refused_at_startup() -> None:

@@ -1,4 +1,5 @@
-"""The Triton EXL3 kernels under TRITON_INTERPRET=1 (set by conftest before Triton is imported).
+"""The trellis-reading backends on the CPU: the Triton kernel under TRITON_INTERPRET=1 (set by conftest before
+Triton is imported) and the compiled CPU kernel, through the same launcher contract and the same glue.
 
 References: the exact-arithmetic decoder in exl3_reference.py for W_hat (bit for bit), and the torch table
 kernel (`TableMoE`, itself tested against the format definition) for whole MoE layers. Sizes stay small:
@@ -28,44 +29,50 @@ from vllm_expert_offload.kernels.pointer_tables import (
     place_expert,
     stack_scales,
 )
+from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
+from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear, RotatedMoE
 from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
-from vllm_expert_offload.kernels.triton_exl3 import BLOCK_M, launch_exl3_matmul
-from vllm_expert_offload.kernels.triton_linear import TritonLinear
-from vllm_expert_offload.kernels.triton_moe import TritonMoE
+from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 from vllm_expert_offload.memory import HostArena
 
 ALL_RATES = [(k, cb) for k in range(1, 9) for cb in ("3inst", "mcg", "mul1")] + [(k, "mul1") for k in (1.5, 2.5, 3.5)]
 CPU = torch.device("cpu")
+BACKENDS = {"triton": TRITON_MATMUL, "cpu": CPU_MATMUL}
 
 
-def _decode_with_kernel(layers: list[Exl3Linear]) -> list[torch.Tensor]:
+@pytest.fixture(params=list(BACKENDS), scope="module")
+def backend(request) -> MatmulBackend:
+    return BACKENDS[request.param]
+
+
+def _decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list[torch.Tensor]:
     """W_hat of each matrix, read back by multiplying identity rows through one launch over all of them."""
     size_k = layers[0].in_features
     table = matrix_table(layers, own_addresses(layers), CPU)
     eye = torch.eye(size_k).repeat(len(layers), 1)
     matrix_of_row = torch.arange(len(layers)).repeat_interleave(size_k)
     out = torch.full((eye.shape[0], table.out_features), float("nan"))
-    launch_exl3_matmul(eye, *grouped_blocks(matrix_of_row, len(layers), BLOCK_M), table, out)
+    backend.launch(eye, *grouped_blocks(matrix_of_row, len(layers), backend.block_m), table, out)
     return list(out.split(size_k))
 
 
 @pytest.mark.parametrize("chunk", range(3))
-def test_decode_is_bit_exact_for_every_rate_and_codebook(chunk: int) -> None:
+def test_decode_is_bit_exact_for_every_rate_and_codebook(backend: MatmulBackend, chunk: int) -> None:
     """Every K (1-8, 1.5/2.5/3.5) and codebook, nine matrices of mixed K and codebook per launch."""
     cases = ALL_RATES[chunk * 9 : (chunk + 1) * 9]
     layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, (k, cb) in enumerate(cases)]
-    for (k, cb), layer, got in zip(cases, layers, _decode_with_kernel(layers)):
+    for (k, cb), layer, got in zip(cases, layers, _decode_with_kernel(layers, backend)):
         expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
         bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
         assert np.array_equal(bits, expected), f"K={k} {cb}: {np.count_nonzero(bits != expected)} weights differ"
 
 
-def test_decode_negative_control_wrong_codebook_differs() -> None:
+def test_decode_negative_control_wrong_codebook_differs(backend: MatmulBackend) -> None:
     """The comparison above can fail: the same trellis read as MCG instead of MUL1 is another matrix."""
     layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=0))
     wrong = Exl3Linear(layer.name, layer.trellis, layer.suh, layer.svh, Codebook.MCG, layer.k)
     expected = ref.rotated_weight_bits(layer.trellis.numpy(), 3, "mul1").astype(np.int64)
-    bits = _decode_with_kernel([wrong])[0].half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    bits = _decode_with_kernel([wrong], backend)[0].half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
     assert np.count_nonzero(bits != expected) > 128 * 128 // 2
 
 
@@ -73,9 +80,9 @@ def test_grouped_blocks_cover_every_row_once_with_its_matrix() -> None:
     gen = torch.Generator().manual_seed(0)
     for rows, matrices in ((1, 4), (37, 5), (300, 8)):
         ids = torch.randint(0, matrices, (rows,), generator=gen)
-        row_ids, block_matrix = grouped_blocks(ids, matrices, BLOCK_M)
-        assert block_matrix.shape[0] == -(-rows // BLOCK_M) + matrices  # depends on shapes only
-        listed = row_ids.reshape(-1, BLOCK_M)
+        row_ids, block_matrix = grouped_blocks(ids, matrices, 16)
+        assert block_matrix.shape[0] == -(-rows // 16) + matrices  # depends on shapes only
+        listed = row_ids.reshape(-1, 16)
         seen = sorted(int(r) for r in listed.flatten() if r >= 0)
         assert seen == list(range(rows))
         for block, members in zip(block_matrix.tolist(), listed.tolist()):
@@ -84,10 +91,10 @@ def test_grouped_blocks_cover_every_row_once_with_its_matrix() -> None:
                 assert not members
             else:
                 assert members and all(int(ids[m]) == block for m in members)
-    per_row, per_block = per_row_blocks(torch.tensor([3, 1, 3]), BLOCK_M)
-    assert per_block.tolist() == [3, 1, 3] and per_row.reshape(3, BLOCK_M)[:, 0].tolist() == [0, 1, 2]
-    assert (per_row.reshape(3, BLOCK_M)[:, 1:] == -1).all()
-    rows_, blocks_ = single_matrix_blocks(17, BLOCK_M, CPU)
+    per_row, per_block = per_row_blocks(torch.tensor([3, 1, 3]), 16)
+    assert per_block.tolist() == [3, 1, 3] and per_row.reshape(3, 16)[:, 0].tolist() == [0, 1, 2]
+    assert (per_row.reshape(3, 16)[:, 1:] == -1).all()
+    rows_, blocks_ = single_matrix_blocks(17, 16, CPU)
     assert blocks_.tolist() == [0, 0] and rows_.tolist() == list(range(17)) + [-1] * 15
 
 
@@ -111,16 +118,19 @@ def _expert_sets(seed: int) -> list[dict[str, Exl3Linear]]:
     return sets
 
 
-def placed_moe(crop: ExpertCrop, swiglu_limit: float | None = None, seed: int = 0, device: torch.device = CPU):
-    """(torch reference, triton kernel, arena) over one layer; on CUDA the host tier is the mapped arena."""
+def placed_moe(
+    crop: ExpertCrop, backend: MatmulBackend, swiglu_limit: float | None = None, seed: int = 0,
+    device: torch.device = CPU,
+):
+    """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena."""
     sets = _expert_sets(seed)
     arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]
     experts, scales = stack_scales(placed, device)
     tables = build_pointer_tables(experts, kernel_address(arena, device), device)
     reference = TableMoE(experts, tables, arena, crop, torch.float32, device, swiglu_limit)
-    triton = TritonMoE(experts, tables, scales, arena, crop, device, swiglu_limit)
-    return reference, triton, arena
+    kernel = RotatedMoE(experts, tables, scales, arena, crop, device, backend, swiglu_limit)
+    return reference, kernel, arena
 
 
 def routing(tokens: int, seed: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,13 +151,13 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_layer():
-    return placed_moe(FULL)
+def full_layer(backend: MatmulBackend):
+    return placed_moe(FULL, backend)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 64, 300])
 def test_moe_matches_table_kernel(full_layer, tokens: int) -> None:
-    """Decode (<= 8 tokens, one slot per program) and grouped prefill (> 8) against the torch reference."""
+    """Decode (Triton: <= 8 tokens, one slot per program) and grouped prefill against the torch reference."""
     reference, triton, _ = full_layer
     x, weights, ids = routing(tokens, seed=tokens)
     want = reference.forward(x, weights, ids, False)
@@ -170,8 +180,10 @@ def test_moe_router_weight_on_input(full_layer) -> None:
         (ExpertCrop(HIDDEN, 64, 192), 0.5),  # the last quarter of a simulated TP 4 split, clamp on
     ],
 )
-def test_moe_tensor_parallel_crop_and_clamp(crop: ExpertCrop, swiglu_limit: float | None) -> None:
-    reference, triton, _ = placed_moe(crop, swiglu_limit, seed=1)
+def test_moe_tensor_parallel_crop_and_clamp(
+    backend: MatmulBackend, crop: ExpertCrop, swiglu_limit: float | None
+) -> None:
+    reference, triton, _ = placed_moe(crop, backend, swiglu_limit, seed=1)
     for tokens in (3, 20):
         x, weights, ids = routing(tokens, seed=tokens)
         x = x[:, : crop.hidden].contiguous()
@@ -182,16 +194,16 @@ def test_moe_tensor_parallel_crop_and_clamp(crop: ExpertCrop, swiglu_limit: floa
 def test_clamp_changes_the_result() -> None:
     """Negative control for the clamp case: a limit this low must matter, in both backends alike."""
     crop = ExpertCrop(HIDDEN, 64, 192)
-    unclamped, _, _ = placed_moe(crop, None, seed=1)
-    clamped, _, _ = placed_moe(crop, 0.5, seed=1)
+    unclamped, _, _ = placed_moe(crop, CPU_MATMUL, None, seed=1)
+    clamped, _, _ = placed_moe(crop, CPU_MATMUL, 0.5, seed=1)
     x, weights, ids = routing(3, seed=3)
     assert not torch.allclose(unclamped.forward(x, weights, ids, False), clamped.forward(x, weights, ids, False))
 
 
-def test_moe_kernel_owns_what_its_tables_point_to() -> None:
+def test_moe_kernel_owns_what_its_tables_point_to(backend: MatmulBackend) -> None:
     """The tables hold raw addresses; once the loader's references are gone the kernel must keep the GPU-tier
     trellises alive (freed memory reused by new tensors would otherwise be decoded as weights)."""
-    reference, triton, _ = placed_moe(FULL, seed=2)
+    reference, triton, _ = placed_moe(FULL, backend, seed=2)
     x, weights, ids = routing(4, seed=4)
     want = reference.forward(x, weights, ids, False)
     del reference
@@ -205,7 +217,7 @@ def test_moe_kernel_owns_what_its_tables_point_to() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 9, 33])
-def test_linear_matches_dequantized_for_fused_shards_with_offsets(rows: int) -> None:
+def test_linear_matches_dequantized_for_fused_shards_with_offsets(backend: MatmulBackend, rows: int) -> None:
     """Two shards of one fused layer: one with this rank's part inside its 128-cover at an offset (and zero
     padding rows, as a padded vocabulary), one plain; the input also sits at an offset in its cover."""
     q = parse_linear(make_layer(3, "mul1", 256, 256, seed=5), "q")
@@ -214,19 +226,19 @@ def test_linear_matches_dequantized_for_fused_shards_with_offsets(rows: int) -> 
     x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(304)
     want = DequantizedLinear(shards, torch.float32, CPU).forward(x, bias)
-    got = TritonLinear(shards, CPU).forward(x, bias)
+    got = RotatedLinear(shards, CPU, backend).forward(x, bias)
     assert got.shape == (rows, 304)
     assert_close_to_reference(got, want)
     assert (got[:, 160:176] == bias[160:176]).all()  # padding rows carry only the bias
 
 
 def test_linear_fp16_and_bf16_activations_round_like_exllamav3() -> None:
-    """Half-precision models multiply in fp16 after the input rotation: close to fp32, not equal."""
+    """Half-precision models multiply in fp16 after the input rotation on Triton: close to fp32, not equal."""
     layer = parse_linear(make_layer(4, "mul1", 128, 128, seed=7), "o")
     shard = [LinearShard(layer, 0, 128, 128, 0, 128)]
     x = torch.randn(3, 128)
     want = DequantizedLinear(shard, torch.float32, CPU).forward(x)
-    kernel = TritonLinear(shard, CPU)
+    kernel = RotatedLinear(shard, CPU, TRITON_MATMUL)
     for dtype in (torch.float16, torch.bfloat16):
         got = kernel.forward(x.to(dtype))
         assert got.dtype == dtype
@@ -257,11 +269,11 @@ class NoHostSync(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("tokens", [3, 20])
-def test_triton_forward_makes_no_host_synchronisation(full_layer, tokens: int) -> None:
+def test_forward_makes_no_host_synchronisation(full_layer, backend: MatmulBackend, tokens: int) -> None:
     reference, triton, _ = full_layer
     x, weights, ids = routing(tokens, seed=tokens)
     layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
-    linear = TritonLinear([LinearShard(layer, 0, 128, 128, 0, 128)], CPU)
+    linear = RotatedLinear([LinearShard(layer, 0, 128, 128, 0, 128)], CPU, backend)
     with NoHostSync():
         triton.forward(x, weights, ids, False)
         linear.compute(x)
@@ -288,11 +300,11 @@ def _tensors_held(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
     return [t for child in children for t in _tensors_held(child, seen)]
 
 
-def test_triton_linear_keeps_no_decoded_copy() -> None:
-    """What a Triton linear holds is the quantized set (trellis, scales) and its tiny tables, nothing dense."""
+def test_trellis_reading_linear_keeps_no_decoded_copy(backend: MatmulBackend) -> None:
+    """What such a linear holds is the quantized set (trellis, scales) and its tiny tables, nothing dense."""
     layer = parse_linear(make_layer(3, "mul1", 256, 256, seed=9), "o")
     shards = [LinearShard(layer, 0, 256, 256, 0, 256)]
-    held = _tensors_held(TritonLinear(shards, CPU))
+    held = _tensors_held(RotatedLinear(shards, CPU, backend))
     assert not [t for t in held if t.is_floating_point() and t.dtype != torch.float16]
     quantized = sum(t.numel() * t.element_size() for t in (layer.trellis, layer.suh, layer.svh))
     assert sum(t.numel() * t.element_size() for t in held) <= quantized + 64

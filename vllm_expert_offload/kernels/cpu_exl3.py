@@ -1,0 +1,69 @@
+"""The compiled CPU kernel (csrc/exl3_cpu.cpp): the EXL3 matmul over pointer tables, built on first use.
+
+Built with torch's C++ extension loader into its per-user cache (once per machine and source version; a
+second process waits on the build lock and loads the result), with -march=native because it is built where
+it runs. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when either is
+missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from ..exl3.codebook import codebook_table
+from .matrix_table import CODEBOOK_IDS, MatrixTable
+from .rotated import MatmulBackend
+
+logger = logging.getLogger("vllm.expert_offload")
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "exl3_cpu.cpp"
+BLOCK_M = 32  # rows that share one decode of each tile
+
+
+class CpuKernelUnavailable(RuntimeError):
+    pass
+
+
+@functools.cache
+def _extension():
+    if not SOURCE.is_file():
+        raise CpuKernelUnavailable(f"its C++ source {SOURCE} is not part of this installation (install from source)")
+    from torch.utils.cpp_extension import load
+
+    logger.info("building the EXL3 CPU kernel from %s (once per machine and source version)", SOURCE)
+    try:
+        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean the same to the caller
+        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def cpu_kernel_unavailable() -> str | None:
+    """None when the CPU kernel is built and loadable, else why not (the build is attempted once)."""
+    try:
+        _extension()
+    except CpuKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def _codebook_values() -> torch.Tensor:
+    """(3, 65536) fp32 rows in CODEBOOK_IDS order: the reference tables, so decoding is bit-exact with them."""
+    rows = sorted(CODEBOOK_IDS.items(), key=lambda item: item[1])
+    return torch.stack([codebook_table(cb).float() for cb, _ in rows]).contiguous()
+
+
+def launch_cpu_matmul(
+    a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
+) -> None:
+    """out[row] = a[row] @ W_hat[matrix of row's block] (same contract as the Triton launcher), fp32."""
+    _extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
+                                 _codebook_values(), table.in_features, table.out_features, BLOCK_M, out)
+
+
+CPU_MATMUL = MatmulBackend("cpu", launch_cpu_matmul, block_m=BLOCK_M, per_slot_max_tokens=0,
+                           dot_dtype=lambda dtype: torch.float32)

@@ -1,0 +1,163 @@
+"""The glue every trellis-reading backend shares: the rotated-basis form around one matmul launcher.
+
+A backend (Triton on a GPU, the compiled CPU kernel) supplies only `launch(a, row_ids, block_matrix, table,
+out)`: out[row] = a[row] @ W_hat[matrix of row's block], decoding the trellis in place. Everything else is
+here, once: the Hadamard rotations with suh/svh (exl3-format.md §2.1), which rows each block takes, the MoE's
+gathers, activation, TP crop, router weights and per-token sum, and the dense linear's shards.
+
+Routed experts: gate, up and down are three launches per batch, each reading every trellis through the
+layer's pointer tables (VRAM and host-arena addresses in the same launch). The glue is made of device ops
+whose shapes depend on the batch shape alone: no host synchronisation, so vLLM can capture the forward in a
+CUDA graph. The per-token sum runs over the slots in their fixed order, so results are deterministic.
+
+Dense linears: the forward is a registered torch custom op, so vLLM's torch.compile sees one opaque call
+instead of tracing into launches over raw pointers; the op finds its kernel by a registry index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..exl3.hadamard import hadamard_last
+from ..exl3.naming import PROJECTIONS
+from ..memory.arena import HostArena
+from .activation import silu_and_mul
+from .expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
+from .linear import LinearShard
+from .matrix_table import MatrixTable, matrix_table, own_addresses
+from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
+from .table_moe import ExpertCrop
+
+
+@dataclass(frozen=True)
+class MatmulBackend:
+    name: str
+    launch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MatrixTable, torch.Tensor], None]
+    block_m: int  # rows per block
+    per_slot_max_tokens: int  # up to this many tokens each MoE slot gets its own block (decode); above, grouped
+    dot_dtype: Callable[[torch.dtype], torch.dtype]  # activation dtype -> what the launcher multiplies in
+
+
+def exl3_matmul(
+    x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor,
+    table: MatrixTable, backend: MatmulBackend, activation_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = x @ W for the matrix of each row's block, in fp32: had(x ⊙ suh) through the launcher, then
+    had(·) ⊙ svh. x: (rows, in_features); suh/svh: one row per x row, or one for all. The input is rounded to
+    the backend's dot dtype after its rotation, as exllamav3's kernels round it to fp16."""
+    rotated = hadamard_last(x.float() * suh.float()).to(backend.dot_dtype(activation_dtype))
+    acc = torch.zeros(x.shape[0], table.out_features, dtype=torch.float32, device=x.device)
+    backend.launch(rotated, row_ids, block_matrix, table, acc)
+    return hadamard_last(acc) * svh.float()
+
+
+class RotatedMoE:
+    def __init__(
+        self,
+        experts: Sequence[PlacedExpert],
+        tables: PointerTables,
+        scales: ScaleStacks,
+        arena: HostArena | None,
+        crop: ExpertCrop,
+        device: torch.device,
+        backend: MatmulBackend,
+        swiglu_limit: float | None = None,
+    ) -> None:
+        self.backend = backend
+        # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
+        self.experts = list(experts)
+        self.arena = arena
+        self.tables = {
+            p: matrix_table([e.projections[p] for e in experts], tables.table(p, "trellis"), device) for p in PROJECTIONS
+        }
+        self.scales = scales
+        self.num_experts = len(experts)
+        self.hidden = crop.hidden
+        self.swiglu_limit = swiglu_limit
+        # This rank's intermediate channels inside the 128-aligned cover the projections were sliced to.
+        keep = torch.zeros(self.tables["gate"].out_features, device=device)
+        keep[crop.offset : crop.offset + crop.intermediate] = 1.0
+        self.keep_channels = keep
+
+    def _project(self, projection: str, x: torch.Tensor, ids: torch.Tensor, blocks, dtype) -> torch.Tensor:
+        suh = self.scales[(projection, "suh")][ids]
+        svh = self.scales[(projection, "svh")][ids]
+        return exl3_matmul(x, suh, svh, *blocks, self.tables[projection], self.backend, dtype)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
+    ) -> torch.Tensor:
+        """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
+        tokens, top_k = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        route = topk_weights.reshape(-1, 1).float()
+        padded = self.tables["gate"].in_features
+        slots = torch.nn.functional.pad(x.float(), (0, padded - x.shape[1])).repeat_interleave(top_k, dim=0)
+        if apply_router_weight_on_input:
+            slots = slots * route
+        if tokens <= self.backend.per_slot_max_tokens:
+            blocks = per_row_blocks(ids, self.backend.block_m)
+        else:
+            blocks = grouped_blocks(ids, self.num_experts, self.backend.block_m)
+        gate = self._project("gate", slots, ids, blocks, x.dtype)
+        up = self._project("up", slots, ids, blocks, x.dtype)
+        act = silu_and_mul(gate, up, self.swiglu_limit) * self.keep_channels
+        down = self._project("down", act, ids, blocks, x.dtype)[:, : self.hidden]
+        if not apply_router_weight_on_input:
+            down = down * route
+        return down.reshape(tokens, top_k, self.hidden).sum(dim=1).to(x.dtype)
+
+
+class RotatedLinear:
+    def __init__(self, shards: Sequence[LinearShard], device: torch.device, backend: MatmulBackend) -> None:
+        self.backend = backend
+        self.shards = [shard.to(device) for shard in shards]
+        self.tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
+        self.kernel_id = _register(self)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward itself (what the custom op runs)."""
+        rows = x.reshape(-1, x.shape[-1])
+        blocks = single_matrix_blocks(rows.shape[0], self.backend.block_m, rows.device)
+        outputs = []
+        for shard, table in zip(self.shards, self.tables):
+            cover = F.pad(rows, (shard.in_offset, table.in_features - shard.in_offset - shard.in_size))
+            y = exl3_matmul(cover, shard.layer.suh, shard.layer.svh, *blocks, table, self.backend, x.dtype)
+            y = y[:, shard.out_offset : shard.out_offset + shard.out_valid]
+            outputs.append(F.pad(y, (0, shard.out_rows - shard.out_valid)))
+        return torch.cat(outputs, dim=-1).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.vllm_expert_offload.exl3_linear(x, self.kernel_id)
+        return y if bias is None else y + bias
+
+    @property
+    def out_features(self) -> int:
+        return sum(s.out_rows for s in self.shards)
+
+
+# Weak: a layer owns its kernel, the registry only finds it, so dropped models free their trellises.
+_KERNELS: weakref.WeakValueDictionary[int, RotatedLinear] = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
+
+
+def _register(kernel: RotatedLinear) -> int:
+    kernel_id = next(_NEXT_ID)
+    _KERNELS[kernel_id] = kernel
+    return kernel_id
+
+
+@torch.library.custom_op("vllm_expert_offload::exl3_linear", mutates_args=())
+def _exl3_linear_op(x: torch.Tensor, kernel_id: int) -> torch.Tensor:
+    return _KERNELS[kernel_id].compute(x)
+
+
+@_exl3_linear_op.register_fake
+def _(x: torch.Tensor, kernel_id: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _KERNELS[kernel_id].out_features)
