@@ -17,26 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
 
-from vllm_expert_offload.exl3 import Codebook, Exl3Linear
-from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels.linear import LinearShard
-from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel, build_moe_kernel
-from vllm_expert_offload.kernels.pointer_tables import (
-    build_pointer_tables,
-    host_record_bytes,
-    kernel_address,
-    place_expert,
-    stack_scales,
-)
-from vllm_expert_offload.kernels.table_moe import ExpertCrop
-from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel
+from vllm_expert_offload.testing.random_layers import median_seconds, random_linear, random_moe
 
 FULL = {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "k": 3, "tokens": (1, 8, 64),
         "host_shares": (0.0, 0.25, 0.5, 1.0), "dense": 4096, "dense_k": 4, "repeats": 3}
@@ -45,57 +32,13 @@ SMOKE = {"hidden": 128, "intermediate": 128, "experts": 8, "top_k": 2, "k": 3, "
 BACKENDS = ("triton", "torch")
 
 
-def random_linear(gen: torch.Generator, in_features: int, out_features: int, k: int, device) -> Exl3Linear:
-    trellis = torch.randint(-(1 << 15), 1 << 15, (in_features // 16, out_features // 16, 16 * k), generator=gen,
-                            dtype=torch.int16)
-    suh = ((torch.rand(in_features, generator=gen) + 0.5) * (torch.randint(0, 2, (in_features,), generator=gen) * 2 - 1))
-    svh = torch.rand(out_features, generator=gen) * 0.02 + 0.01
-    return Exl3Linear("bench", trellis.to(device), suh.half().to(device), svh.half().to(device), Codebook.MUL1, k)
-
-
-def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median seconds of `fn` after one warm-up (CUDA events on a GPU, wall clock on a CPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def moe_layer(shape: dict, host_share: float, backend: str, device: torch.device):
-    """(kernel, per-expert bytes, GPU-tier mask) for one layer with the last `host_share` of experts on host."""
-    gen = torch.Generator().manual_seed(0)
-    h, i, k = shape["hidden"], shape["intermediate"], shape["k"]
-    sets = [{"gate": random_linear(gen, h, i, k, "cpu"), "up": random_linear(gen, h, i, k, "cpu"),
-             "down": random_linear(gen, i, h, k, "cpu")} for _ in range(shape["experts"])]
-    n_host = round(host_share * len(sets))
-    gpu_tier = [e < len(sets) - n_host for e in range(len(sets))]
-    host_bytes = sum(host_record_bytes(s) for s, gpu in zip(sets, gpu_tier) if not gpu)
-    arena = HostArena(host_bytes, device=device) if host_bytes else None
-    placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, gpu_tier)]
-    experts, scales = stack_scales(placed, device)
-    tables = build_pointer_tables(experts, kernel_address(arena, device), device)
-    choice = KernelChoice(backend, backend, "benchmark")
-    kernel = build_moe_kernel(choice, experts, tables, scales, arena, ExpertCrop(h, i, 0), torch.float16, device)
-    expert_bytes = sum(s[p].nbytes() for p in PROJECTIONS for s in sets[:1])
-    return kernel, expert_bytes, torch.tensor(gpu_tier)
-
-
 def bench_moe(shape: dict, limits: dict, device: torch.device) -> list[dict]:
     rows = []
     for host_share in shape["host_shares"]:
         for backend in BACKENDS:
-            kernel, expert_bytes, gpu_tier = moe_layer(shape, host_share, backend, device)
+            layer = random_moe(shape["hidden"], shape["intermediate"], shape["experts"], shape["k"], host_share,
+                               backend, device)
+            kernel, expert_bytes, gpu_tier = layer.kernel, layer.expert_bytes, layer.gpu_tier
             for tokens in shape["tokens"]:
                 gen = torch.Generator().manual_seed(tokens)
                 x = torch.randn(tokens, shape["hidden"], generator=gen).half().to(device)
@@ -103,7 +46,7 @@ def bench_moe(shape: dict, limits: dict, device: torch.device) -> list[dict]:
                                    for _ in range(tokens)])
                 weights = torch.rand(tokens, shape["top_k"], generator=gen).to(device)
                 device_ids = ids.to(device)
-                seconds = timed(lambda: kernel.forward(x, weights, device_ids, False), shape["repeats"], device)
+                seconds = median_seconds(lambda: kernel.forward(x, weights, device_ids, False), shape["repeats"], device)
                 selected = torch.unique(ids)
                 host_read = int((~gpu_tier[selected]).sum()) * expert_bytes
                 gpu_read = int(gpu_tier[selected].sum()) * expert_bytes
@@ -111,7 +54,7 @@ def bench_moe(shape: dict, limits: dict, device: torch.device) -> list[dict]:
                 rows.append({"backend": backend, "host_share": host_share, "tokens": tokens, "seconds": seconds,
                              "gpu_bytes": gpu_read, "host_bytes": host_read, "roofline_s": roofline,
                              "fraction_of_roofline": None if roofline is None else roofline / seconds})
-            del kernel
+            del kernel, layer
     return rows
 
 
@@ -124,15 +67,15 @@ def _roofline(gpu_bytes: int, host_bytes: int, limits: dict) -> float | None:
 
 def bench_dense(shape: dict, device: torch.device) -> list[dict]:
     n, k = shape["dense"], shape["dense_k"]
-    layer = random_linear(torch.Generator().manual_seed(1), n, n, k, "cpu")
+    layer = random_linear(torch.Generator().manual_seed(1), n, n, k)
     triton = build_linear_kernel(KernelChoice("triton", "triton", "benchmark"),
                                  [LinearShard(layer, 0, n, n, 0, n)], torch.float16, device)
     dense = torch.randn(n, n, device=device).half() / n**0.5
     rows = []
     for tokens in shape["tokens"]:
         x = torch.randn(tokens, n, device=device).half()
-        exl3_s = timed(lambda: triton.forward(x), shape["repeats"], device)
-        fp16_s = timed(lambda: x @ dense if device.type == "cuda" else x.float() @ dense.float(), shape["repeats"],
+        exl3_s = median_seconds(lambda: triton.forward(x), shape["repeats"], device)
+        fp16_s = median_seconds(lambda: x @ dense if device.type == "cuda" else x.float() @ dense.float(), shape["repeats"],
                        device)
         rows.append({"tokens": tokens, "exl3_triton_s": exl3_s, "fp16_matmul_s": fp16_s,
                      "exl3_bytes": layer.nbytes(), "fp16_bytes": 2 * n * n, "ratio_to_fp16": fp16_s / exl3_s})

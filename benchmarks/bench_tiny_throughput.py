@@ -4,8 +4,9 @@ side by side in one run on the CPU engine.
     .venv/bin/python benchmarks/bench_tiny_throughput.py [--arch qwen3_moe] [--prompts 8] [--tokens 128]
 
 Each configuration runs in a fresh engine process; the time measured is `LLM.generate` alone. On a CPU the
-plugin decodes each routed expert from its trellis on every use (the table kernel), so this ratio is the
-cost of that decode, not a prediction of GPU behaviour.
+plugin's compiled kernel decodes every trellis tile on every use (GPU and host tier alike; the tiers only
+matter for accounting there), beside the torch reference backend, so these ratios are the cost of decoding
+on a CPU, not a prediction of GPU behaviour.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def main() -> None:
     prompts = [[rng.randrange(3, 700) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     configs = {
         "dense twin, stock vLLM (bf16)": (twin, None),
-        "EXL3 plugin, all experts GPU tier (bf16)": (exl3, None),
-        "EXL3 plugin, all experts host tier (bf16)": (exl3, {"expert_offload": {"host_fraction": 1.0}}),
+        "EXL3 plugin, CPU kernel, all experts GPU tier (bf16)": (exl3, None),
+        "EXL3 plugin, CPU kernel, all experts host tier (bf16)": (exl3, {"expert_offload": {"host_fraction": 1.0}}),
+        "EXL3 plugin, torch reference, all experts host tier (bf16)":
+            (exl3, {"expert_offload": {"host_fraction": 1.0, "kernel": "torch"}}),
     }
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every configuration alike
