@@ -310,3 +310,16 @@ def test_trellis_reading_linear_keeps_no_decoded_copy(backend: MatmulBackend) ->
     assert sum(t.numel() * t.element_size() for t in held) <= quantized + 64
     dense = _tensors_held(DequantizedLinear(shards, torch.float32, CPU))
     assert sum(t.numel() * t.element_size() for t in dense) == 256 * 256 * 4  # the opt-in does hold it
+
+
+def test_trellis_reading_moe_holds_only_the_quantized_experts(backend: MatmulBackend) -> None:
+    """The memory behind every tensor the MoE kernel holds, counted once per storage, is exactly: GPU-tier
+    trellises, the host arena, each expert's suh/svh once, the small tables and the crop mask. Nothing decoded."""
+    _, kernel, arena = placed_moe(FULL, backend, seed=3)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors_held(kernel)}
+    experts = _expert_sets(3)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    gpu_trellises = sum(nbytes(lin.trellis) for s, gpu in zip(experts, TIERS) if gpu for lin in s.values())
+    scales = sum(nbytes(lin.suh) + nbytes(lin.svh) for s in experts for lin in s.values())
+    tables = sum(nbytes(t) for table in kernel.tables.values() for t in (table.trellis, table.twice_k, table.codebook))
+    assert sum(storages.values()) == gpu_trellises + arena.capacity_bytes + scales + tables + nbytes(kernel.keep_channels)
