@@ -1,4 +1,5 @@
-"""The KV-cache block-size startup fix (issue "Startup: KV block sizes 64 and 128 initialize and serve").
+"""The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve" and
+"DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
 
 Three layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
 (the CPU build's V1 runner path, and the V2 runner's bindings); and the shared kv-plan-repro script, which
@@ -72,6 +73,30 @@ def test_packed_token_cache_is_not_split() -> None:
     token_cache = GroupFacts("tok", (Member(BackendSizes("FIXED", exact=(256,))),), 512, packed=True)
     assert resolve_block_sizes([token_cache]) == {"tok": 256}
     assert resolve_block_sizes([GroupFacts("tok", token_cache.members, 512)]) == {"tok": 512}
+
+
+def test_packed_compressed_cache_splits_only_into_unpadded_pages() -> None:
+    """DeepSeek-V4.1 on SM90 (FlashMLA and indexer take [64]): a ratio-2 cache of 584 B records in 576 B-aligned
+    pages would need 64-token kernel pages of 18,688 B, not a multiple of 576, so a 128-token block cannot be
+    split; mega attention's 288 B NVFP4 records in 512 B-aligned pages can."""
+    flashmla = BackendSizes("FLASHMLA_SPARSE_DSV41", exact=(64,))
+    ratio1 = GroupFacts("r1", (Member(flashmla, 1, 584, 576),), 128, packed=True)
+    ratio2 = GroupFacts("r2", (Member(flashmla, 2, 584, 576),), 128, packed=True)
+    assert resolve_block_sizes([ratio1, ratio2]) == {"r1": 64, "r2": 64}
+    mega = GroupFacts("mega", (Member(BackendSizes("FLASHMLA_MEGA_ATTN_DSV41", exact=(128,)), 2, 288, 512),), 256,
+                      packed=True)
+    assert resolve_block_sizes([mega]) == {"mega": 256}
+
+
+@pytest.mark.parametrize(("kernel", "requested", "expected"),
+                         [(128, 64, 128), (128, 128, 128), (64, 64, 64), (64, 128, 64)])
+def test_dsv41_compressed_group(kernel: int, requested: int, expected: int) -> None:
+    """Main MLA and indexer caches of ratio 1 and 2 in one packed group: SM100/SM120 kernels take [128], SM90 [64]."""
+    mla = BackendSizes("FLASHINFER_MLA_SPARSE_DSV41", (kernel,))
+    indexer = BackendSizes("DEEPSEEK_V41_INDEXER", (kernel,))
+    members = (Member(mla, 1, 584, 576), Member(indexer, 1, 132, 576), Member(mla, 2, 584, 576),
+               Member(indexer, 2, 132, 576))
+    assert resolve_block_sizes([GroupFacts("g4", members, requested, packed=True)]) == {"g4": expected}
 
 
 def test_impossible_layout_names_group_backends_and_sizes() -> None:
@@ -167,6 +192,47 @@ def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> No
     for size, expected in ((16, 32), (32, 32), (64, 64), (256, 256)):
         spec = FullAttentionSpec(block_size=size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
         assert utils.customize_attention_spec(CPUAttentionBackend, spec).block_size == expected
+
+
+def _v41_indexer_spec(block_size: int):
+    """DeepSeek-V4.1's ratio-1 indexer key cache as `DeepseekV4IndexerCache.get_kv_cache_spec` builds it on SM100
+    (132 B rows, pages padded to 512 B: 8,448 B padded to 8,704 B at 64 tokens; 16,896 B unpadded at 128)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=132, dtype=torch.uint8, alignment=512)
+
+
+def test_resized_recomputes_padding_for_the_new_block() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_expert_offload.integration.kv.facts import resized
+
+    at_64 = _v41_indexer_spec(64)
+    assert at_64.page_size_bytes == 8704
+    with pytest.raises(AssertionError):  # upstream's copy keeps the padding set for 64 tokens
+        _ = at_64.copy_with_new_block_size(128).page_size_bytes
+    assert resized(at_64, 128) == _v41_indexer_spec(128) and resized(at_64, 128).page_size_bytes == 16896
+    shared = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, page_size_padded=8192)
+    assert resized(shared, 32).page_size_bytes == 8192  # padding set for another reason is kept while it fits
+    with pytest.raises(KVBlockLayoutError, match="padded to 8192 B for 16-token blocks cannot move to 64-token blocks"):
+        resized(shared, 64)
+
+
+@pytest.mark.parametrize(("arch", "expected"), [("sm100", 128), ("sm120", 128), ("sm90", 64)])
+def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, expected: int) -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated(arch):
+        spec = utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(64))
+    assert spec.block_size == expected
+    assert spec.page_size_bytes == _v41_indexer_spec(expected).page_size_bytes
+    assert current_platform.get_device_capability() is None  # the CPU platform again
 
 
 def _planned(block_size: int):

@@ -59,7 +59,7 @@ def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _wrap_customize_attention_spec(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
-    from .facts import layer_group
+    from .facts import layer_group, resized
 
     @functools.wraps(original)
     def customize_attention_spec(backend: type[AttentionBackend], spec: AttentionSpec) -> AttentionSpec:
@@ -72,7 +72,7 @@ def _wrap_customize_attention_spec(original: Callable) -> Callable:
             return customized
         _raised[(backend.get_name(), customized.tokens_per_state, size)] = customized.block_size
         # The backend customizes again for the new size: its declarations may depend on the spec.
-        return original(backend, spec.copy_with_new_block_size(size))
+        return original(backend, resized(spec, size))
 
     return customize_attention_spec
 
