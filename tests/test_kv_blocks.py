@@ -1,10 +1,12 @@
 """The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve" and
 "DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
 
-Three layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
-(the CPU build's V1 runner path, and the V2 runner's bindings); and the shared kv-plan-repro script, which
-runs vLLM's spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns, as
-subprocesses with and without the general plugins (each run takes ~30 s; they run in parallel).
+Four layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
+(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` on the DeepSeek-V4.1 config the
+project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
+spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
+each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
+three at a time).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from vllm_expert_offload.integration.kv.rules import (
 # ../shared beside the checkout (present in CI); KV_PLAN_REPRO overrides.
 _SHARED_REPRO = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "kv-plan-repro" / "kv_plan_repro.py"
 REPRO = Path(os.environ.get("KV_PLAN_REPRO", str(_SHARED_REPRO)))
+REPRO41 = REPRO.parent / "kv41_plan_repro.py"
+# DeepSeek-V4.1-Flash's public config.json geometry (40 layers, compress ratios 0/1/2), carried by the project.
+DSV41_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "deepseek_v41_flash"
 DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
 DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
 CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
@@ -301,6 +306,88 @@ def test_check_kv_subcommand_is_wired() -> None:
     assert (args.handler, args.block_size, args.tp) == (check_kv_cmd.run, 64, 2)
 
 
+def _check_kv_args(model: Path, block_size: int, gpu_arch: str | None = None, backend: str | None = None,
+                   tp: int = 1, kv_gib: float = 8.0) -> argparse.Namespace:
+    return argparse.Namespace(model_dir=model, block_size=block_size, tp=tp, attention_backend=backend,
+                              gpu_arch=gpu_arch, max_model_len=8192, kv_gib=kv_gib)
+
+
+# (--gpu-arch, --attention-backend) -> the compressed (main MLA + indexer) group's line at --block-size 64 and 128.
+V41_GROUP = {
+    ("sm120", None): "36 layers, block 128, kernel 128, page 8640/17280/37440/74880 B "
+                     "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", None): "36 layers, block 128, kernel 128, page 8704/16896/18432/36864 B "
+                     "[FLASHMLA_MEGA_ATTN_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): "36 layers, block 128, kernel 128, page 8704/16896/65536/131072 B "
+                                              "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm90", None): "36 layers, block 64, kernel 64, page 4608/8640/19008/37440 B "
+                    "[FLASHMLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+}
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(("arch", "backend"), list(V41_GROUP))
+def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
+                                          block_size: int) -> None:
+    """The carried V4.1 config through spec construction, planning, the engine's block sizes, the worker's
+    kernel blocks and its kernel-block views, with the fix: the compressed group gets its GPU's block, the
+    sliding-window groups keep their 32 and the compressor states their 8."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, block_size, arch, backend, kv_gib=32.0)) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek_v41, --block-size {block_size}, --tp 1, --gpu-arch {arch}" in out
+    assert f"  g4: {V41_GROUP[arch, backend]}" in out and out.rstrip().endswith("OK"), out
+    assert out.count("block 32, kernel 32, page") == 4 and "g5: 9 layers, block 8, kernel 8" in out
+
+
+def test_dsv41_block_sizes_logged_in_one_line(kv_blocks, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    monkeypatch.setattr(kv_blocks, "_logged", set())  # earlier tests logged this layout already
+    lines, level = _Lines(), kv_blocks.logger.level
+    kv_blocks.logger.addHandler(lines)
+    kv_blocks.logger.setLevel(logging.INFO)
+    try:
+        assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64, "sm120", kv_gib=32.0)) == 0
+    finally:
+        kv_blocks.logger.removeHandler(lines)
+        kv_blocks.logger.setLevel(level)
+    capsys.readouterr()
+    assert "g4=128 (asked 64) [FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]; g5=8 [CompressorBackend]" in (
+        lines.lines[-1]), lines.lines
+    assert lines.lines[-1].startswith("vllm-expert-offload KV block sizes per group: g0=32 [DEEPSEEK_SPARSE_SWA]; ")
+
+
+def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
+    assert "FAILED at spec construction: ValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
+           "with --gpu-arch sm90|sm100|sm120" in capsys.readouterr().out
+
+
+def test_check_kv_reports_vllms_own_dsv41_errors_with_the_fix_off() -> None:
+    """Upstream, on the same config: SM120 and SM100 refuse 64 in the worker; SM90 plans 128 but cannot view its
+    ratio-1 caches' packed 128-token blocks as the 64-token kernel blocks FlashMLA takes."""
+    script = (
+        "import sys; from pathlib import Path; from vllm_expert_offload.cli import main\n"
+        "for arch, size in (('sm120', 64), ('sm100', 64), ('sm90', 128)):\n"
+        "    main(['check-kv', sys.argv[1], '--block-size', str(size), '--gpu-arch', arch, '--kv-gib', '32'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
+    run = _run([sys.executable, "-c", script, str(DSV41_FIXTURE)], env)
+    out = run.stdout
+    assert out.count("KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)") == 3, _output(run)[-4000:]
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHMLA_MEGA_ATTN_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker KV views: ValueError: FLASHMLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed " \
+           "128-token KV cache blocks cannot be split into." in out
+
+
 # ---------------------------------------------------------------- vLLM's planning, via the shared repro
 
 # compress_ratios per layer, the last entry for the MTP layer (0: sliding window only).
@@ -308,6 +395,8 @@ PATTERNS = {
     "c128_first": [128, 4, 128, 4, 0, 128, 128, 4, 128, 4, 128, 4, 0],
     "more_layers": [0] + [4, 4, 128] * 20 + [0],
 }
+# kv41_plan_repro's --attn and --cap: RTX PRO 6000 (SM120), B200 with FlashInfer and with mega attention, H200.
+DSV41_BACKENDS = [("flashinfer_sm120", 120), ("flashinfer", 100), ("mega", 100), ("flashmla", 90)]
 
 
 def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
@@ -336,6 +425,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
         "check-kv fix off": [sys.executable, "-m", "vllm_expert_offload.cli", "check-kv",
                              str(REPRO.parent / "dsv4_flash"), "--block-size", "64"],
     }
+    repro41 = [sys.executable, str(REPRO41), "--avail-gib", "32"]
+    for attn, cap in DSV41_BACKENDS:
+        cases[f"v41 {attn}+plugin"] = [*repro41, "--plugins", "--attn", attn, "--cap", str(cap),
+                                       "--block-sizes", "64,128", "--expect-ok", "64,128"]
+    cases["v41 flashinfer_sm120"] = [*repro41, "--attn", "flashinfer_sm120", "--cap", "120",
+                                     "--block-sizes", "64", "--expect-ok", "64"]
     for name, ratios in PATTERNS.items():
         pattern = [*repro, "--dsv4-config", str(_dsv4_config(data / name, ratios))]
         cases[f"{name}+plugin"] = [*pattern, "--plugins", "--block-sizes", "64,128", "--expect-ok", "64,128"]
@@ -382,6 +477,22 @@ def test_flash_128_fails_in_the_worker_without_the_plugin(runs) -> None:
     assert "ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])" in out
 
 
+@pytest.mark.parametrize(("attn", "cap"), DSV41_BACKENDS)
+def test_dsv41_repro_passes_with_the_plugin(runs, attn: str, cap: int) -> None:
+    run = runs[f"v41 {attn}+plugin"]
+    assert run.returncode == 0 and "expect-ok [64, 128]: all OK" in run.stdout, _output(run)[-4000:]
+    compressed = 64 if cap == 90 else 128
+    for size in (64, 128):
+        assert f"bs={size:<4} layout=BLHNC group_bs=[32, 32, 32, 32, {compressed}, 8]" in run.stdout, run.stdout[-4000:]
+
+
+def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
+    """The seeds' crash: DeepSeek-V4.1-Flash on RTX PRO 6000 at --block-size 64, upstream."""
+    run = runs["v41 flashinfer_sm120"]
+    assert run.returncode == 1 and "FAILED at [64]" in run.stdout, _output(run)[-4000:]
+    assert "ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])." in run.stdout
+
+
 def test_check_kv_reports_the_upstream_error_with_the_fix_off(runs) -> None:
     run = runs["check-kv fix off"]
     assert run.returncode == 1, _output(run)[-4000:]
@@ -396,9 +507,7 @@ def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: py
     if not REPRO.exists():
         pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
     model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
-    args = argparse.Namespace(model_dir=model, block_size=128, tp=2, attention_backend="FLASH_ATTN",
-                              max_model_len=8192, kv_gib=8.0)
-    assert check_kv_cmd.run(args) == 0
+    assert check_kv_cmd.run(_check_kv_args(model, 128, tp=2)) == 0
     out = capsys.readouterr().out
     assert "KV block-size fix on" in out and out.rstrip().endswith("OK")
     assert "block 256, kernel 256, page 1728/8640/37440 B [FLASHMLA_SPARSE_DSV4, DEEPSEEK_V4_INDEXER]" in out
