@@ -1,9 +1,12 @@
-"""The KV-cache block-size startup fix (issue "Startup: KV block sizes 64 and 128 initialize and serve").
+"""The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve" and
+"DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
 
-Three layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
-(the CPU build's V1 runner path, and the V2 runner's bindings); and the shared kv-plan-repro script, which
-runs vLLM's spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns, as
-subprocesses with and without the general plugins (each run takes ~30 s; they run in parallel).
+Four layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
+(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` on the DeepSeek-V4.1 config the
+project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
+spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
+each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
+three at a time).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from vllm_expert_offload.integration.kv.rules import (
 # ../shared beside the checkout (present in CI); KV_PLAN_REPRO overrides.
 _SHARED_REPRO = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "kv-plan-repro" / "kv_plan_repro.py"
 REPRO = Path(os.environ.get("KV_PLAN_REPRO", str(_SHARED_REPRO)))
+REPRO41 = REPRO.parent / "kv41_plan_repro.py"
+# DeepSeek-V4.1-Flash's public config.json geometry (40 layers, compress ratios 0/1/2), carried by the project.
+DSV41_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "deepseek_v41_flash"
 DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
 DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
 CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
@@ -72,6 +78,30 @@ def test_packed_token_cache_is_not_split() -> None:
     token_cache = GroupFacts("tok", (Member(BackendSizes("FIXED", exact=(256,))),), 512, packed=True)
     assert resolve_block_sizes([token_cache]) == {"tok": 256}
     assert resolve_block_sizes([GroupFacts("tok", token_cache.members, 512)]) == {"tok": 512}
+
+
+def test_packed_compressed_cache_splits_only_into_unpadded_pages() -> None:
+    """DeepSeek-V4.1 on SM90 (FlashMLA and indexer take [64]): a ratio-2 cache of 584 B records in 576 B-aligned
+    pages would need 64-token kernel pages of 18,688 B, not a multiple of 576, so a 128-token block cannot be
+    split; mega attention's 288 B NVFP4 records in 512 B-aligned pages can."""
+    flashmla = BackendSizes("FLASHMLA_SPARSE_DSV41", exact=(64,))
+    ratio1 = GroupFacts("r1", (Member(flashmla, 1, 584, 576),), 128, packed=True)
+    ratio2 = GroupFacts("r2", (Member(flashmla, 2, 584, 576),), 128, packed=True)
+    assert resolve_block_sizes([ratio1, ratio2]) == {"r1": 64, "r2": 64}
+    mega = GroupFacts("mega", (Member(BackendSizes("FLASHMLA_MEGA_ATTN_DSV41", exact=(128,)), 2, 288, 512),), 256,
+                      packed=True)
+    assert resolve_block_sizes([mega]) == {"mega": 256}
+
+
+@pytest.mark.parametrize(("kernel", "requested", "expected"),
+                         [(128, 64, 128), (128, 128, 128), (64, 64, 64), (64, 128, 64)])
+def test_dsv41_compressed_group(kernel: int, requested: int, expected: int) -> None:
+    """Main MLA and indexer caches of ratio 1 and 2 in one packed group: SM100/SM120 kernels take [128], SM90 [64]."""
+    mla = BackendSizes("FLASHINFER_MLA_SPARSE_DSV41", (kernel,))
+    indexer = BackendSizes("DEEPSEEK_V41_INDEXER", (kernel,))
+    members = (Member(mla, 1, 584, 576), Member(indexer, 1, 132, 576), Member(mla, 2, 584, 576),
+               Member(indexer, 2, 132, 576))
+    assert resolve_block_sizes([GroupFacts("g4", members, requested, packed=True)]) == {"g4": expected}
 
 
 def test_impossible_layout_names_group_backends_and_sizes() -> None:
@@ -169,6 +199,47 @@ def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> No
         assert utils.customize_attention_spec(CPUAttentionBackend, spec).block_size == expected
 
 
+def _v41_indexer_spec(block_size: int):
+    """DeepSeek-V4.1's ratio-1 indexer key cache as `DeepseekV4IndexerCache.get_kv_cache_spec` builds it on SM100
+    (132 B rows, pages padded to 512 B: 8,448 B padded to 8,704 B at 64 tokens; 16,896 B unpadded at 128)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=132, dtype=torch.uint8, alignment=512)
+
+
+def test_resized_recomputes_padding_for_the_new_block() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_expert_offload.integration.kv.facts import resized
+
+    at_64 = _v41_indexer_spec(64)
+    assert at_64.page_size_bytes == 8704
+    with pytest.raises(AssertionError):  # upstream's copy keeps the padding set for 64 tokens
+        _ = at_64.copy_with_new_block_size(128).page_size_bytes
+    assert resized(at_64, 128) == _v41_indexer_spec(128) and resized(at_64, 128).page_size_bytes == 16896
+    shared = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, page_size_padded=8192)
+    assert resized(shared, 32).page_size_bytes == 8192  # padding set for another reason is kept while it fits
+    with pytest.raises(KVBlockLayoutError, match="padded to 8192 B for 16-token blocks cannot move to 64-token blocks"):
+        resized(shared, 64)
+
+
+@pytest.mark.parametrize(("arch", "expected"), [("sm100", 128), ("sm120", 128), ("sm90", 64)])
+def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, expected: int) -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated(arch):
+        spec = utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(64))
+    assert spec.block_size == expected
+    assert spec.page_size_bytes == _v41_indexer_spec(expected).page_size_bytes
+    assert current_platform.get_device_capability() is None  # the CPU platform again
+
+
 def _planned(block_size: int):
     """One planned full-attention group on the CPU backend, with the runner's attention group for it."""
     import torch
@@ -235,6 +306,88 @@ def test_check_kv_subcommand_is_wired() -> None:
     assert (args.handler, args.block_size, args.tp) == (check_kv_cmd.run, 64, 2)
 
 
+def _check_kv_args(model: Path, block_size: int, gpu_arch: str | None = None, backend: str | None = None,
+                   tp: int = 1, kv_gib: float = 8.0) -> argparse.Namespace:
+    return argparse.Namespace(model_dir=model, block_size=block_size, tp=tp, attention_backend=backend,
+                              gpu_arch=gpu_arch, max_model_len=8192, kv_gib=kv_gib)
+
+
+# (--gpu-arch, --attention-backend) -> the compressed (main MLA + indexer) group's line at --block-size 64 and 128.
+V41_GROUP = {
+    ("sm120", None): "36 layers, block 128, kernel 128, page 8640/17280/37440/74880 B "
+                     "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", None): "36 layers, block 128, kernel 128, page 8704/16896/18432/36864 B "
+                     "[FLASHMLA_MEGA_ATTN_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): "36 layers, block 128, kernel 128, page 8704/16896/65536/131072 B "
+                                              "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm90", None): "36 layers, block 64, kernel 64, page 4608/8640/19008/37440 B "
+                    "[FLASHMLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+}
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(("arch", "backend"), list(V41_GROUP))
+def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
+                                          block_size: int) -> None:
+    """The carried V4.1 config through spec construction, planning, the engine's block sizes, the worker's
+    kernel blocks and its kernel-block views, with the fix: the compressed group gets its GPU's block, the
+    sliding-window groups keep their 32 and the compressor states their 8."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, block_size, arch, backend, kv_gib=32.0)) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek_v41, --block-size {block_size}, --tp 1, --gpu-arch {arch}" in out
+    assert f"  g4: {V41_GROUP[arch, backend]}" in out and out.rstrip().endswith("OK"), out
+    assert out.count("block 32, kernel 32, page") == 4 and "g5: 9 layers, block 8, kernel 8" in out
+
+
+def test_dsv41_block_sizes_logged_in_one_line(kv_blocks, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    monkeypatch.setattr(kv_blocks, "_logged", set())  # earlier tests logged this layout already
+    lines, level = _Lines(), kv_blocks.logger.level
+    kv_blocks.logger.addHandler(lines)
+    kv_blocks.logger.setLevel(logging.INFO)
+    try:
+        assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64, "sm120", kv_gib=32.0)) == 0
+    finally:
+        kv_blocks.logger.removeHandler(lines)
+        kv_blocks.logger.setLevel(level)
+    capsys.readouterr()
+    assert "g4=128 (asked 64) [FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]; g5=8 [CompressorBackend]" in (
+        lines.lines[-1]), lines.lines
+    assert lines.lines[-1].startswith("vllm-expert-offload KV block sizes per group: g0=32 [DEEPSEEK_SPARSE_SWA]; ")
+
+
+def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
+    assert "FAILED at spec construction: ValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
+           "with --gpu-arch sm90|sm100|sm120" in capsys.readouterr().out
+
+
+def test_check_kv_reports_vllms_own_dsv41_errors_with_the_fix_off() -> None:
+    """Upstream, on the same config: SM120 and SM100 refuse 64 in the worker; SM90 plans 128 but cannot view its
+    ratio-1 caches' packed 128-token blocks as the 64-token kernel blocks FlashMLA takes."""
+    script = (
+        "import sys; from pathlib import Path; from vllm_expert_offload.cli import main\n"
+        "for arch, size in (('sm120', 64), ('sm100', 64), ('sm90', 128)):\n"
+        "    main(['check-kv', sys.argv[1], '--block-size', str(size), '--gpu-arch', arch, '--kv-gib', '32'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
+    run = _run([sys.executable, "-c", script, str(DSV41_FIXTURE)], env)
+    out = run.stdout
+    assert out.count("KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)") == 3, _output(run)[-4000:]
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHMLA_MEGA_ATTN_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker KV views: ValueError: FLASHMLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed " \
+           "128-token KV cache blocks cannot be split into." in out
+
+
 # ---------------------------------------------------------------- vLLM's planning, via the shared repro
 
 # compress_ratios per layer, the last entry for the MTP layer (0: sliding window only).
@@ -242,6 +395,8 @@ PATTERNS = {
     "c128_first": [128, 4, 128, 4, 0, 128, 128, 4, 128, 4, 128, 4, 0],
     "more_layers": [0] + [4, 4, 128] * 20 + [0],
 }
+# kv41_plan_repro's --attn and --cap: RTX PRO 6000 (SM120), B200 with FlashInfer and with mega attention, H200.
+DSV41_BACKENDS = [("flashinfer_sm120", 120), ("flashinfer", 100), ("mega", 100), ("flashmla", 90)]
 
 
 def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
@@ -270,6 +425,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
         "check-kv fix off": [sys.executable, "-m", "vllm_expert_offload.cli", "check-kv",
                              str(REPRO.parent / "dsv4_flash"), "--block-size", "64"],
     }
+    repro41 = [sys.executable, str(REPRO41), "--avail-gib", "32"]
+    for attn, cap in DSV41_BACKENDS:
+        cases[f"v41 {attn}+plugin"] = [*repro41, "--plugins", "--attn", attn, "--cap", str(cap),
+                                       "--block-sizes", "64,128", "--expect-ok", "64,128"]
+    cases["v41 flashinfer_sm120"] = [*repro41, "--attn", "flashinfer_sm120", "--cap", "120",
+                                     "--block-sizes", "64", "--expect-ok", "64"]
     for name, ratios in PATTERNS.items():
         pattern = [*repro, "--dsv4-config", str(_dsv4_config(data / name, ratios))]
         cases[f"{name}+plugin"] = [*pattern, "--plugins", "--block-sizes", "64,128", "--expect-ok", "64,128"]
@@ -316,6 +477,22 @@ def test_flash_128_fails_in_the_worker_without_the_plugin(runs) -> None:
     assert "ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])" in out
 
 
+@pytest.mark.parametrize(("attn", "cap"), DSV41_BACKENDS)
+def test_dsv41_repro_passes_with_the_plugin(runs, attn: str, cap: int) -> None:
+    run = runs[f"v41 {attn}+plugin"]
+    assert run.returncode == 0 and "expect-ok [64, 128]: all OK" in run.stdout, _output(run)[-4000:]
+    compressed = 64 if cap == 90 else 128
+    for size in (64, 128):
+        assert f"bs={size:<4} layout=BLHNC group_bs=[32, 32, 32, 32, {compressed}, 8]" in run.stdout, run.stdout[-4000:]
+
+
+def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
+    """The seeds' crash: DeepSeek-V4.1-Flash on RTX PRO 6000 at --block-size 64, upstream."""
+    run = runs["v41 flashinfer_sm120"]
+    assert run.returncode == 1 and "FAILED at [64]" in run.stdout, _output(run)[-4000:]
+    assert "ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])." in run.stdout
+
+
 def test_check_kv_reports_the_upstream_error_with_the_fix_off(runs) -> None:
     run = runs["check-kv fix off"]
     assert run.returncode == 1, _output(run)[-4000:]
@@ -330,9 +507,7 @@ def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: py
     if not REPRO.exists():
         pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
     model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
-    args = argparse.Namespace(model_dir=model, block_size=128, tp=2, attention_backend="FLASH_ATTN",
-                              max_model_len=8192, kv_gib=8.0)
-    assert check_kv_cmd.run(args) == 0
+    assert check_kv_cmd.run(_check_kv_args(model, 128, tp=2)) == 0
     out = capsys.readouterr().out
     assert "KV block-size fix on" in out and out.rstrip().endswith("OK")
     assert "block 256, kernel 256, page 1728/8640/37440 B [FLASHMLA_SPARSE_DSV4, DEEPSEEK_V4_INDEXER]" in out

@@ -1,11 +1,12 @@
-"""`check-kv MODEL_DIR --block-size N [--tp N]`: would vLLM plan and accept this model's KV cache?
+"""`check-kv MODEL_DIR --block-size N [--gpu-arch ARCH]`: would vLLM plan and accept this model's KV cache?
 
 Runs what a vLLM start-up does with KV caches, from config.json alone (no weights, no GPU): per-layer specs
 (worker), layout and planning against a stand-in memory budget (engine core), the engine's block-size
-resolution, and the worker's kernel-block selection; all with the startup fix installed, unless
-VLLM_EXPERT_OFFLOAD_KV_FIX=0 asks for vLLM's own behaviour. The point is to check a GPU deployment from any
+resolution, the worker's kernel-block selection and its kernel-block views of the cache; all with the startup
+fix installed, unless VLLM_EXPERT_OFFLOAD_KV_FIX=0 asks for vLLM's own behaviour. The point is to check a GPU deployment from any
 machine, so the adjustments the CPU build makes to a config are undone: on CUDA, `--block-size` is taken as
-given, prefix caching stays on and the hybrid KV-cache manager is used.
+given, prefix caching stays on and the hybrid KV-cache manager is used. Where a backend's block sizes depend on
+the GPU (DeepSeek-V4.1), `--gpu-arch` names the GPU to plan for, and vLLM's capability queries answer for it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .gpu_arch import ARCHES, emulated
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,8 +34,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, required=True, help="the --block-size vLLM would be given")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument(
-        "--attention-backend", default="FLASH_ATTN",
-        help="vLLM backend name for standard attention layers (default FLASH_ATTN); DeepSeek-V4 brings its own",
+        "--attention-backend", default=None,
+        help="vLLM backend name: for standard attention layers (default FLASH_ATTN); for DeepSeek-V4.1 one of "
+        "FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, FLASHINFER_MLA_SPARSE_DSV41 (default: vLLM's pick for "
+        "--gpu-arch); DeepSeek-V4 brings its own",
+    )
+    parser.add_argument(
+        "--gpu-arch", choices=sorted(ARCHES), default=None,
+        help="the NVIDIA GPU to plan for (sm90: H100/H200, sm100: B200, sm120: RTX PRO 6000); required for "
+        "DeepSeek-V4.1, whose kernel block sizes depend on it",
     )
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV-cache memory per rank to plan with (GiB)")
@@ -127,6 +137,29 @@ def _kernel_block_sizes(kv_cache_config: KVCacheConfig, attn_groups: list[list[A
     return kernel_sizes
 
 
+def _kernel_views(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, attn_groups: list[list[AttentionGroup]], kernel_sizes: list[int]
+) -> None:
+    """Worker KV-cache binding: vLLM's own per-layer views (`allocate_kv_cache`, on the meta device: shapes and
+    strides, no memory), each backend's kernel block size as `AttentionGroup.create_metadata_builders` sets it,
+    and the kernel-block views (`map_kv_caches_to_kernel_blocks`). This is where vLLM refuses to split a packed
+    block for a cache that is not compressed, e.g. DeepSeek-V4.1's ratio-1 caches at 128 on SM90."""
+    import torch
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker import utils as worker_utils
+
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    kv_caches = worker_utils.allocate_kv_cache(kv_cache_config, torch.device("meta"), layout, kernel_sizes)
+    for gid, groups in enumerate(attn_groups):
+        for group in groups:  # the first lines of create_metadata_builders (0.32, 0.33)
+            if not isinstance(group.kv_cache_spec, AttentionSpec):
+                continue
+            kernel = worker_utils.select_common_block_size(kernel_sizes[gid], [group.backend], [group.kv_cache_spec])
+            if kernel != group.kv_cache_spec.block_size:
+                group.kernel_block_size = kernel
+    worker_utils.map_kv_caches_to_kernel_blocks(kv_caches, [g for groups in attn_groups for g in groups])
+
+
 def _spec_lines(specs: dict) -> list[str]:
     """Distinct layer specs: where an empty page or an unexpected block size shows before planning."""
     seen: dict[tuple, int] = {}
@@ -168,16 +201,23 @@ def check_kv(args: argparse.Namespace) -> None:
     import vllm
 
     from ..integration.kv.fix import ENV_SWITCH, fix_enabled, install
-    from ..integration.kv.model_specs import layer_specs
 
     install()
     config = _step("config", _vllm_config, args)
     fix = "on" if fix_enabled() else f"off ({ENV_SWITCH}=0)"
+    gpu = f", --gpu-arch {args.gpu_arch}" if args.gpu_arch else ""
     print(
         f"{args.model_dir}: {config.model_config.hf_config.model_type}, --block-size {args.block_size}, "
-        f"--tp {args.tp}, vLLM {vllm.__version__}, KV block-size fix {fix}"
+        f"--tp {args.tp}{gpu}, vLLM {vllm.__version__}, KV block-size fix {fix}"
     )
-    layers = _step("spec construction", layer_specs, config, args.tp, args.attention_backend)
+    with emulated(args.gpu_arch):
+        _check_steps(args, config)
+
+
+def _check_steps(args: argparse.Namespace, config: VllmConfig) -> None:
+    from ..integration.kv.model_specs import layer_specs
+
+    layers = _step("spec construction", layer_specs, config, args.tp, args.attention_backend, args.gpu_arch)
     print("\n".join(_spec_lines(layers)))
     specs = {name: spec for name, (spec, _) in layers.items()}
     backends = {name: backend for name, (_, backend) in layers.items()}
@@ -186,6 +226,7 @@ def check_kv(args: argparse.Namespace) -> None:
     scheduler_block, hash_block = _step("engine block sizes", _engine_block_sizes, config, configs)
     attn_groups = _attention_groups(configs[0], backends)
     kernel_sizes = _step("worker kernel blocks", _kernel_block_sizes, configs[0], attn_groups)
+    _step("worker KV views", _kernel_views, config, configs[0], attn_groups, kernel_sizes)
     print(
         f"  layout {layout.name}; {configs[0].num_blocks} blocks per rank in {args.kv_gib:g} GiB; "
         f"scheduler block {scheduler_block}, hash block {hash_block}"

@@ -3,6 +3,9 @@
 Upstream vLLM (0.32, 0.33) builds DeepSeek-V4's indexer and compressed-attention specs with the user's
 `--block-size` although their kernels take 256-token blocks only: at 64 the ratio-128 pages hold 0 bytes
 (ZeroDivisionError in the engine's KV planning), at 64 and 128 the worker refuses ("No common block size").
+DeepSeek-V4.1 has the same shape of problem with GPU-dependent sizes: its main MLA and indexer kernels take
+128-token blocks on SM100/SM120 (64 fails: "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])")
+and 64 on SM90, where larger packed blocks cannot be split for its ratio-1 caches.
 Two hooks, installed by `register()` in every vLLM process, fix that at the narrowest points where a spec
 meets its backend:
 
@@ -59,7 +62,7 @@ def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _wrap_customize_attention_spec(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
-    from .facts import layer_group
+    from .facts import layer_group, resized
 
     @functools.wraps(original)
     def customize_attention_spec(backend: type[AttentionBackend], spec: AttentionSpec) -> AttentionSpec:
@@ -72,7 +75,7 @@ def _wrap_customize_attention_spec(original: Callable) -> Callable:
             return customized
         _raised[(backend.get_name(), customized.tokens_per_state, size)] = customized.block_size
         # The backend customizes again for the new size: its declarations may depend on the spec.
-        return original(backend, spec.copy_with_new_block_size(size))
+        return original(backend, resized(spec, size))
 
     return customize_attention_spec
 
@@ -143,6 +146,6 @@ def install(vllm_version: str | None = None) -> list[str]:
     except HookError as exc:
         raise HookError(
             f"vllm-expert-offload KV block-size fix: {exc}. Set {ENV_SWITCH}=0 to start without it "
-            "(DeepSeek-V4 then needs --block-size 256)."
+            "(DeepSeek-V4 then needs --block-size 256; DeepSeek-V4.1 128 on SM100/SM120, 64 on SM90)."
         ) from exc
     return [hook.target for hook in hooks if hook.install()]

@@ -2,13 +2,17 @@
 
 For the `check-kv` tool. Each spec passes through `vllm.v1.worker.utils.customize_attention_spec`, looked up at call
 time as the model runner does, so the startup fix (when installed) shapes it exactly as it would in a worker.
-DeepSeek-V4 is modelled on its CUDA FlashMLA path (the deployment being checked); its attention layer needs
-CUDA to construct, so its `get_kv_cache_spec` runs unbound on a stand-in carrying the fields it reads. Other
-models are taken as standard decoders: full attention, or sliding window where `layer_types` says so.
+DeepSeek-V4 is modelled on its CUDA FlashMLA path (the deployment being checked); DeepSeek-V4.1 on the attention
+class vLLM's CUDA model picks for the GPU (or the one named). Their attention layers need CUDA to construct, so
+`get_kv_cache_spec` runs unbound on a stand-in carrying the fields it reads. Other models are taken as standard
+decoders: full attention, or sliding window where `layer_types` says so.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
 from types import SimpleNamespace
 
 import torch
@@ -95,6 +99,111 @@ def deepseek_v4_specs(vllm_config: VllmConfig) -> LayerSpecs:
     return out
 
 
+# DeepSeek-V4.1's CUDA attention classes by the backend they run (vllm/models/deepseek_v41/nvidia/, 0.32 and 0.33):
+# backend name -> (module, class on SM120, class elsewhere).
+_V41_ATTENTION = {
+    "FLASHMLA_SPARSE_DSV41": ("flashmla", "DeepseekV4FlashMLAAttention", "DeepseekV4FlashMLAAttention"),
+    "FLASHMLA_MEGA_ATTN_DSV41": ("flash_mla_mega_attn", "DeepseekV4MegaAttnAttention", "DeepseekV4MegaAttnAttention"),
+    "FLASHINFER_MLA_SPARSE_DSV41": (
+        "flashinfer_sparse", "DeepseekV4FlashInferSM120Attention", "DeepseekV4FlashInferMLAAttention",
+    ),
+}
+# What `_select_dsv4_attn_cls` (nvidia/model.py) picks without --attention-backend: FlashInfer on SM12x, mega
+# attention on SM100 (where the build and the TP split allow it, else FlashMLA), FlashMLA otherwise.
+V41_DEFAULT_BACKEND = {
+    "sm90": "FLASHMLA_SPARSE_DSV41", "sm100": "FLASHMLA_MEGA_ATTN_DSV41", "sm120": "FLASHINFER_MLA_SPARSE_DSV41",
+}
+
+
+def deepseek_v41_attention_class(gpu_arch: str, backend_name: str | None) -> type:
+    """The V4.1 attention layer class a CUDA worker on `gpu_arch` builds for `backend_name` (None: vLLM's default)."""
+    name = backend_name or V41_DEFAULT_BACKEND[gpu_arch]
+    if name not in _V41_ATTENTION:
+        raise ValueError(
+            f"--attention-backend {name}: DeepSeek-V4.1 runs on {', '.join(_V41_ATTENTION)} (vLLM 0.32, 0.33)"
+        )
+    module, on_sm120, elsewhere = _V41_ATTENTION[name]
+    classes = importlib.import_module(f"vllm.models.deepseek_v41.nvidia.{module}")
+    return getattr(classes, on_sm120 if gpu_arch == "sm120" else elsewhere)
+
+
+def deepseek_v41_specs(vllm_config: VllmConfig, gpu_arch: str, backend_name: str | None) -> LayerSpecs:
+    """Every KV cache a DeepSeek-V4.1 decoder layer registers, in `DeepseekV4Attention.__init__` order
+    (deepseek_v41/attention.py): the main MLA cache of kv-source layers (compress ratio 1 or 2), the indexer's
+    key cache of layers that are both index and kv sources, a sliding-window cache in every layer (32-token
+    blocks, fixed by the model), and for ratio-2 kv sources the compressor's state ring.
+
+    The per-arch record sizes are those `__init__` sets (528 B MXFP8 records on SM100, else 584 B; 288 B for
+    the NVFP4 compressed record; pages aligned to 512 or 576 B), read while the GPU is emulated.
+    """
+    from vllm.models.deepseek_v41.attention import (
+        DeepseekV4Attention,
+        DeepseekV4IndexerCache,
+        _indexer_k_cache_head_dim,
+        _resolve_dsv4_kv_cache_dtype,
+        _use_v41_mxfp8_kv_record,
+    )
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    hf = vllm_config.model_config.hf_text_config
+    cache_config = vllm_config.cache_config
+    layer_cls = deepseek_v41_attention_class(gpu_arch, backend_name)
+    packed_dtype = layer_cls.packed_kv_cache_dtype.fget(None)  # a constant per class
+    kv_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(
+        layer_cls.use_fp8_ds_mla_layout, cache_config.cache_dtype, cache_config, packed_dtype
+    )
+    kv_mxfp8 = _use_v41_mxfp8_kv_record()
+    swa_bytes = 528 if kv_mxfp8 else 584
+    compressed_bytes = 288 if kv_dtype == "nvfp4_ds_mla" else swa_bytes
+    page_alignment = 512 if kv_mxfp8 else 576
+    if kv_dtype == "nvfp4_ds_mla" and not kv_mxfp8:
+        raise ValueError(f"{layer_cls.backend_cls.get_name()} stores NVFP4 records, which need SM100 (not {gpu_arch})")
+    swa_kwargs = {}
+    if "packed_block_stride_alignment" in inspect.signature(DeepseekV4SWACache).parameters:  # 0.33
+        swa_kwargs["packed_block_stride_alignment"] = (
+            math.lcm(swa_bytes, compressed_bytes) if kv_mxfp8 else None
+        )
+    ratios = list(hf.compress_ratios)
+    kv_sources = set(hf.kv_source_layer_ids or ())
+    index_sources = set(hf.index_source_layer_ids or ())
+    out: LayerSpecs = {}
+    vllm_config.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vllm_config):
+        for i in range(hf.num_hidden_layers):
+            ratio = int(ratios[i]) if i < len(ratios) else 0
+            prefix = f"model.layers.{i}.attn"
+            stand_in = SimpleNamespace(
+                is_kv_source=i in kv_sources, compress_ratio=ratio, head_dim=hf.head_dim,
+                kv_cache_dtype=kv_dtype, kv_cache_torch_dtype=kv_torch_dtype,
+                kv_page_alignment=page_alignment, compressed_bytes_per_token=compressed_bytes,
+            )
+            spec = DeepseekV4Attention.get_kv_cache_spec(stand_in, vllm_config)
+            if spec is not None:
+                _add(out, prefix, spec, layer_cls.backend_cls)
+            if i in index_sources and i in kv_sources:
+                k_cache = DeepseekV4IndexerCache(
+                    head_dim=_indexer_k_cache_head_dim(hf.index_head_dim, dsa_indexer_uses_fp4(vllm_config)),
+                    dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache", cache_config=cache_config,
+                    compress_ratio=ratio,
+                )
+                _add(out, k_cache.prefix, k_cache.get_kv_cache_spec(vllm_config), k_cache.get_attn_backend())
+            swa = DeepseekV4SWACache(
+                head_dim=hf.head_dim, window_size=hf.sliding_window, dtype=kv_torch_dtype,
+                prefix=f"{prefix}.swa_cache", cache_config=cache_config, backend_cls=layer_cls.swa_backend_cls,
+                block_size=32, packed_bytes_per_token=swa_bytes, packed_page_alignment=page_alignment,
+                bounded_replay=False, **swa_kwargs,
+            )
+            _add(out, swa.prefix, swa.get_kv_cache_spec(vllm_config), swa.get_attn_backend())
+            if i in kv_sources and ratio > 1:
+                state = CompressorStateCache(
+                    state_dim=2 * hf.head_dim, dtype=torch.float32, prefix=f"{prefix}.compressor.state_cache"
+                )
+                _add(out, state.prefix, state.get_kv_cache_spec(vllm_config), state.get_attn_backend())
+    return out
+
+
 def standard_specs(vllm_config: VllmConfig, tp: int, backend_name: str) -> LayerSpecs:
     """One attention cache per layer, KV heads split over `tp` ranks (at least one head each)."""
     hf = vllm_config.model_config.hf_config
@@ -116,10 +225,17 @@ def standard_specs(vllm_config: VllmConfig, tp: int, backend_name: str) -> Layer
     return out
 
 
-def layer_specs(vllm_config: VllmConfig, tp: int, backend_name: str) -> LayerSpecs:
-    hf = vllm_config.model_config.hf_config
+def layer_specs(vllm_config: VllmConfig, tp: int, backend_name: str | None, gpu_arch: str | None) -> LayerSpecs:
+    """The model's layer specs; `backend_name` None means the model's (or FLASH_ATTN's) default."""
+    hf = vllm_config.model_config.hf_text_config
+    if hf.model_type == "deepseek_v41":
+        if gpu_arch is None:
+            raise ValueError(
+                "DeepSeek-V4.1's kernel block sizes depend on the GPU: name it with --gpu-arch sm90|sm100|sm120"
+            )
+        return deepseek_v41_specs(vllm_config, gpu_arch, backend_name)
     if hf.model_type == "deepseek_v4":
         return deepseek_v4_specs(vllm_config)
     if getattr(hf, "kv_lora_rank", None):
-        raise ValueError(f"check-kv models DeepSeek-V4 and standard attention; {hf.model_type} uses MLA")
-    return standard_specs(vllm_config, tp, backend_name)
+        raise ValueError(f"check-kv models DeepSeek-V4, V4.1 and standard attention; {hf.model_type} uses MLA")
+    return standard_specs(vllm_config, tp, backend_name or "FLASH_ATTN")

@@ -43,14 +43,27 @@ class BackendSizes:
 @dataclass(frozen=True)
 class Member:
     """One attention backend in a group, with the compression of the cache it reads: `tokens_per_state` is
-    the spec's (1 for plain attention, the compress ratio for DeepSeek-V4's compressed caches)."""
+    the spec's (1 for plain attention, the compress ratio for DeepSeek-V4's compressed caches).
+    `state_bytes` (all heads of one stored state) and `page_alignment` (the spec's page padding unit) say
+    whether a page of fewer tokens needs padding; 0 and 1 when unknown or irrelevant."""
 
     backend: BackendSizes
     tokens_per_state: int | Fraction = 1
+    state_bytes: int = 0
+    page_alignment: int = 1
 
     @property
     def compressed(self) -> bool:
         return self.tokens_per_state > 1
+
+    def splits_into(self, kernel: int) -> bool:
+        """Whether a packed block of this cache can be read as `kernel`-token kernel blocks. vLLM views a
+        split block as consecutive pages of `kernel // ratio` states (`map_kv_cache_to_kernel_blocks`, 0.32 and
+        0.33): only compressed caches are written through their block tables, and a page that needs padding
+        would put every kernel block after the first off its alignment (vLLM then refuses the view)."""
+        if not self.compressed:
+            return False
+        return int(kernel // self.tokens_per_state) * self.state_bytes % self.page_alignment == 0
 
     def describe(self) -> str:
         ratio = f", compression ratio {self.tokens_per_state}" if self.compressed else ""
@@ -64,7 +77,8 @@ class GroupFacts:
     `requested` is the block size vLLM asked for: `--block-size` for the layers that follow it, a
     model-fixed size for the others (DeepSeek-V4's sliding window 64, compressor states 4 and 8).
     `packed` is true when other layers' pages sit between this group's blocks (block-outermost layouts):
-    vLLM then splits a block into kernel blocks per backend, and only compressed caches can be split.
+    vLLM then splits a block into kernel blocks per backend, and only compressed caches whose smaller pages
+    need no padding can be split.
     """
 
     name: str
@@ -99,7 +113,7 @@ def kernel_block_sizes(group: GroupFacts, size: int) -> tuple[int, ...] | None:
     for kernel, member in zip(kernels, group.members):
         if kernel is None or not _holds_whole_states(kernel, member.tokens_per_state):
             return None
-        if group.packed and kernel != size and not member.compressed:
+        if group.packed and kernel != size and not member.splits_into(kernel):
             return None
         usable.append(kernel)
     return tuple(usable)
