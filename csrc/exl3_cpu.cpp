@@ -3,7 +3,8 @@
 // The CPU twin of kernels/triton_exl3.py, with the same contract (rows grouped into blocks that share one
 // matrix of a table; K and codebook per matrix). Each task owns one (block, 16-column tile) pair and walks
 // the input dimension one 16x16 tile at a time: the tile is decoded into a 1 KiB stack buffer (exl3-format.md
-// §2.3-2.7: 16-bit window of the MSB-first ring, tail-biting, half-integer K, tensor-core permutation) and
+// §2.3-2.7: 16-bit window of the MSB-first ring spanning two 16-bit units, tail-biting, half-integer K,
+// tensor-core permutation) and
 // multiplied into the block's rows at once, so nothing decoded outlives one tile and each tile is decoded once
 // per block of rows. Codebook values come from the (3, 65536) fp32 tables the Python reference defines
 // (exl3/codebook.py), so decoded weights equal the reference bit for bit. Tasks are spread over OpenMP
@@ -21,28 +22,28 @@ namespace {
 constexpr int kPositions = 256;
 
 struct RingLayout {
-  // For each ring position p: the two 32-bit words its 16-bit window spans and the right shift of their
-  // 64-bit merge that aligns the window; and the tile element (16 * row + column) it decodes to.
-  std::array<int32_t, kPositions> first{}, second{}, shift{}, element{};
-  int words = 0;
+  // Indexed by tile element (16 * row + column), so a tile is written in order: the two 16-bit units of the
+  // MSB-first stream that element's state window spans (already in storage order, unit u at int16 u ^ 1) and
+  // the right shift of their 32-bit merge that aligns the window.
+  std::array<int32_t, kPositions> first{}, second{}, shift{};
 };
 
 RingLayout make_layout(int twice_k) {
   RingLayout layout;
   const int k_int = twice_k / 2, k_half = twice_k % 2;
-  const int ring = 16 * (16 * k_int + 8 * k_half);  // 256 K bits
-  layout.words = ring / 32;
+  const int units = 16 * k_int + 8 * k_half;  // int16 per tile = 16 K
+  const int ring = 16 * units;                 // 256 K bits
   int end = 0;
   for (int p = 0; p < kPositions; ++p) {
     end += k_int + (k_half && (p & 1));  // D(p): KA, plus one on odd positions for K = KA + 1/2
     const int start = ((end - 16) % ring + ring) % ring;
-    layout.first[p] = start / 32;
-    layout.second[p] = (layout.first[p] + 1) % layout.words;
-    layout.shift[p] = 48 - start % 32;
     const int t = p / 8, j = p % 8;
     const int r = 2 * (t % 4) + (j & 1) + 8 * ((j >> 1) & 1);
     const int c = t / 4 + 8 * ((j >> 2) & 1);
-    layout.element[p] = 16 * r + c;
+    const int element = 16 * r + c;
+    layout.first[element] = (start / 16) ^ 1;
+    layout.second[element] = ((start / 16 + 1) % units) ^ 1;
+    layout.shift[element] = 16 - start % 16;
   }
   return layout;
 }
@@ -58,14 +59,11 @@ const RingLayout& layout_for(int twice_k) {
 }
 
 inline void decode_tile(const int16_t* packed, const RingLayout& layout, const float* values, float* tile) {
-  uint64_t words[64];
-  for (int w = 0; w < layout.words; ++w) {
-    words[w] = static_cast<uint64_t>(static_cast<uint16_t>(packed[2 * w])) |
-               (static_cast<uint64_t>(static_cast<uint16_t>(packed[2 * w + 1])) << 16);
-  }
-  for (int p = 0; p < kPositions; ++p) {
-    const uint64_t merged = (words[layout.first[p]] << 32) | words[layout.second[p]];
-    tile[layout.element[p]] = values[(merged >> layout.shift[p]) & 0xFFFF];
+  // Written as one flat loop over elements so the compiler can vectorise it (gathers on AVX-512/AVX2).
+  for (int e = 0; e < kPositions; ++e) {
+    const uint32_t hi = static_cast<uint16_t>(packed[layout.first[e]]);
+    const uint32_t lo = static_cast<uint16_t>(packed[layout.second[e]]);
+    tile[e] = values[(((hi << 16) | lo) >> layout.shift[e]) & 0xFFFF];
   }
 }
 
