@@ -323,3 +323,19 @@ def test_trellis_reading_moe_holds_only_the_quantized_experts(backend: MatmulBac
     scales = sum(nbytes(lin.suh) + nbytes(lin.svh) for s in experts for lin in s.values())
     tables = sum(nbytes(t) for table in kernel.tables.values() for t in (table.trellis, table.twice_k, table.codebook))
     assert sum(storages.values()) == gpu_trellises + arena.capacity_bytes + scales + tables + nbytes(kernel.keep_channels)
+
+
+def test_tensor_parallel_slice_of_a_linear_reads_the_right_tiles(backend: MatmulBackend) -> None:
+    """A TP slice of the output dim is a strided view of the trellis; the kernel gets a dense copy (and a table
+    over a strided trellis is refused rather than read as if it were dense)."""
+    from vllm_expert_offload.exl3.slicing import cover_output
+
+    whole = parse_linear(make_layer(3, "mul1", 128, 256, seed=11), "qkv")
+    half, offset = cover_output(whole, 128, 256)
+    assert not half.trellis.is_contiguous() and offset == 0
+    shard = LinearShard(half, 0, 128, 128, 0, 128)
+    x = torch.randn(2, 128)
+    want = DequantizedLinear([shard], torch.float32, CPU).forward(x)
+    assert_close_to_reference(RotatedLinear([shard], CPU, backend).forward(x), want)
+    with pytest.raises(ValueError, match="qkv.trellis is a strided view"):
+        matrix_table([half], own_addresses([half]), CPU)

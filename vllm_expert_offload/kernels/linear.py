@@ -31,8 +31,11 @@ class LinearShard:
     in_size: int  # inputs this rank receives
 
     def to(self, device: torch.device) -> "LinearShard":
+        """On `device`, with a contiguous trellis: a TP slice of the output dim is a strided view, and kernels
+        address tiles as one dense (in/16, out/16) grid."""
         layer = self.layer
-        moved = replace(layer, trellis=layer.trellis.to(device), suh=layer.suh.to(device), svh=layer.svh.to(device))
+        moved = replace(layer, trellis=layer.trellis.to(device).contiguous(), suh=layer.suh.to(device),
+                        svh=layer.svh.to(device))
         return replace(self, layer=moved)
 
 

@@ -39,6 +39,9 @@ def matrix_table(
         names = [layer.name for layer in layers[:3]]
         raise ValueError(f"one launch reads matrices of one shape; {names}... have shapes {sorted(shapes)}")
     (in_features, out_features), = shapes
+    strided = [layer.name for layer in layers if not layer.trellis.is_contiguous()]
+    if strided:
+        raise ValueError(f"{strided[0]}.trellis is a strided view; kernels read tiles as one dense grid")
     ids = [CODEBOOK_IDS[layer.codebook] for layer in layers]
     return MatrixTable(
         trellis=torch.as_tensor(trellis_addresses, dtype=torch.int64, device=device),
