@@ -1,21 +1,26 @@
-"""Tensor-parallel expert shares that cut through a 128-block: ExpertGeometry.rank_slice keeps the whole block,
-ExpertCrop says where the rank's channels sit in it, and TableMoE computes with exactly those channels.
+"""Tensor-parallel shares that cut through a 128-block: ExpertGeometry.rank_slice keeps the whole block,
+ExpertCrop says where the rank's channels sit in it, and TableMoE computes with exactly those channels; the dense
+linears' method (Exl3LinearMethod) crops the same way.
 
-Every tiny e2e fixture splits on 128-blocks at TP 2, where the crop offset is always 0; here intermediate sizes
-320 and 192 give offsets 32, 80, 96 and 112 (TP 2 and a simulated TP 4), against slices of the dense weight.
+Every standard e2e fixture splits on 128-blocks at TP 2, where the crop offset is always 0; here intermediate
+sizes 320 and 192 give offsets 16 to 112 (TP 2 and a simulated TP 4), against slices of the dense weight.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 import exl3_reference as ref
 from vllm_expert_offload.exl3 import dequantize
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.exl3.tensors import padded
+from vllm_expert_offload.integration.methods.linear_method import Exl3LinearMethod
 from vllm_expert_offload.integration.offload.expert_plan import ExpertGeometry
 from vllm_expert_offload.kernels.pointer_tables import (
     build_pointer_tables,
@@ -122,3 +127,34 @@ def test_table_moe_ranks_sum_to_the_dense_moe(intermediate: int, tp_size: int) -
     want = _dense_moe([_dense(e, intermediate) for e in experts], x, weights, ids)
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 1e-5, err
+
+
+def _linear_layer(tp_rank: int, tp_size: int, row_parallel: bool, output_size: int) -> torch.nn.Module:
+    """The attributes Exl3LinearMethod reads from vLLM's linear layers, without vLLM's process groups."""
+    layer = RowParallelLinear.__new__(RowParallelLinear) if row_parallel else ColumnParallelLinear.__new__(
+        ColumnParallelLinear)
+    torch.nn.Module.__init__(layer)
+    layer.tp_rank, layer.tp_size, layer.output_size = tp_rank, tp_size, output_size
+    return layer
+
+
+@pytest.mark.parametrize("row_parallel", [False, True], ids=["column", "row"])
+@pytest.mark.parametrize(("intermediate", "tp_size", "rank"), [r for key in OFFSETS for r in _ranks(*key)])
+def test_linear_method_rank_weight_equals_the_dense_weights_slice(
+    row_parallel: bool, intermediate: int, tp_size: int, rank: int
+) -> None:
+    """A dense MLP's up (column-parallel, output split) and down (row-parallel, input split) at the same widths."""
+    per_rank, start = intermediate // tp_size, rank * (intermediate // tp_size)
+    fin, fout = (intermediate, HIDDEN) if row_parallel else (HIDDEN, intermediate)
+    tensors = _projection(np.random.default_rng(rank), fin, fout)
+    name = "model.layers.0.mlp.down_proj" if row_parallel else "model.layers.0.mlp.up_proj"
+    method = Exl3LinearMethod(SimpleNamespace(shard_prefixes=lambda prefix: [prefix]), name)
+    layer = _linear_layer(rank, tp_size, row_parallel, fout)
+    method.create_weights(layer, per_rank if row_parallel else fin, [fout if row_parallel else per_rank], fin, fout,
+                          torch.float32)
+    for suffix, tensor in tensors.items():
+        method._load(getattr(layer, suffix), tensor)
+    method.process_weights_after_loading(layer)
+    dense = dequantize(tensors)[:fout, :fin]
+    want = dense[:, start : start + per_rank] if row_parallel else dense[start : start + per_rank]
+    assert torch.equal(layer.weight, want)
