@@ -131,8 +131,8 @@ def test_table_moe_ranks_sum_to_the_dense_moe(intermediate: int, tp_size: int) -
 
 def _linear_layer(tp_rank: int, tp_size: int, row_parallel: bool, output_size: int) -> torch.nn.Module:
     """The attributes Exl3LinearMethod reads from vLLM's linear layers, without vLLM's process groups."""
-    layer = RowParallelLinear.__new__(RowParallelLinear) if row_parallel else ColumnParallelLinear.__new__(
-        ColumnParallelLinear)
+    cls = RowParallelLinear if row_parallel else ColumnParallelLinear
+    layer = cls.__new__(cls)
     torch.nn.Module.__init__(layer)
     layer.tp_rank, layer.tp_size, layer.output_size = tp_rank, tp_size, output_size
     return layer
