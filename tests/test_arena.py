@@ -165,15 +165,29 @@ def test_numa_binding_skipped_on_one_node(
     assert "NUMA binding to node 0 skipped: the kernel reports one NUMA node" in caplog.text
 
 
+def memory_policy(address: int) -> str:
+    """The kernel's NUMA policy for the mapping holding `address`, as /proc/self/numa_maps shows it
+    ("default", "bind:0", ...): read back from the kernel, not from what the arena believes it asked for."""
+    entries = [line.split()[:2] for line in Path("/proc/self/numa_maps").read_text().splitlines()]
+    starts = [(int(start, 16), policy) for start, policy in entries if int(start, 16) <= address]
+    return max(starts)[1]
+
+
 def test_real_mbind_syscall() -> None:
-    """The ctypes call itself, on whatever node 0 this machine has (containers may forbid mbind)."""
+    """The ctypes call itself, on whatever node 0 this machine has (containers may forbid mbind): the kernel must
+    report the arena's pages bound to node 0 afterwards, and not before."""
+    if not Path("/proc/self/numa_maps").exists():
+        pytest.skip("this kernel has no /proc/self/numa_maps (built without NUMA)")
     arena = HostArena(4 * PAGE)
+    assert memory_policy(arena.device_address(0)) == "default"
     try:
         arena_mod.bind_to_node(arena.device_address(0), arena.capacity_bytes, 0)
     except OSError as exc:
         if exc.errno == errno.EPERM:
             pytest.skip("mbind is not permitted in this container")
         raise
+    assert memory_policy(arena.device_address(0)) == "bind:0"
+    assert memory_policy(arena.device_address(arena.capacity_bytes - 1)) == "bind:0"
 
 
 @pytest.mark.gpu

@@ -150,6 +150,7 @@ VALID_QCONFIG = {
     "out_scales": "auto",
     "codebook": "mul1",
 }
+VALID_EXTRA = {"calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto"}  # VALID_QCONFIG's informational keys
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -224,23 +225,29 @@ def test_valid_exllamav3_config_accepted():
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "expected"),
     [
-        {"head_bits": 16},
-        {"head_bits": 2.5},
-        {"codebook": "mcg", "head_bits": 8},
-        {"codebook": "3inst"},
-        {"codebook": "MUL1"},
-        {"out_scales": "never"},
-        {"vision_bits": 4, "mtp_bits": 6, "original_quantization_config": {"quant_method": "fp8"}},
-        {"bits": 1},
-        {"bits": 8},
+        ({"head_bits": 16}, {"head_bits": 16, "lm_head_quantized": False}),
+        ({"head_bits": 2.5}, {"head_bits": 2.5, "lm_head_quantized": True}),
+        ({"codebook": "mcg", "head_bits": 8}, {"codebook": Codebook.MCG, "head_bits": 8}),
+        ({"codebook": "3inst"}, {"codebook": Codebook.INST3}),
+        ({"codebook": "MUL1"}, {"codebook": Codebook.MUL1}),
+        ({"out_scales": "never"}, {"extra": {**VALID_EXTRA, "out_scales": "never"}}),
+        (
+            {"vision_bits": 4, "mtp_bits": 6, "original_quantization_config": {"quant_method": "fp8"}},
+            {"extra": {**VALID_EXTRA, "vision_bits": 4, "mtp_bits": 6,
+                       "original_quantization_config": {"quant_method": "fp8"}}},
+        ),
+        ({"bits": 1}, {"bits": 1.0}),
+        ({"bits": 8}, {"bits": 8.0}),
     ],
 )
-def test_valid_config_variants_accepted(changes):
+def test_valid_config_variants_accepted(changes, expected):
+    """Each variant is read as written, and every key the variant does not touch keeps its valid value."""
     cfg = parse_quant_config({**VALID_QCONFIG, **changes})
-    if changes.get("head_bits") == 16:
-        assert cfg.lm_head_quantized is False
+    unchanged = {"bits": 3.02, "head_bits": 6, "codebook": Codebook.MUL1, "version": "1.6.5", "extra": VALID_EXTRA}
+    for attr, value in {**unchanged, **expected}.items():
+        assert getattr(cfg, attr) == value, attr
 
 
 def test_minimal_config_accepted():

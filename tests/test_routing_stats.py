@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from reference_twin import checked_dense_twin
 from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
-from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
+from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.engine
 
@@ -46,7 +47,7 @@ def test_recorded_counts_equal_reference_router(tmp_path) -> None:
     rpc = [(SAVE_STATS, [str(on_request)])]
     generate_greedy(EngineSpec(str(model), prompts, max_tokens=1, additional_config=offload, rpc_after=rpc))
 
-    reference = _reference_counts(str(build_dense_twin(model)), prompts, 2, 8)
+    reference = _reference_counts(str(checked_dense_twin(model)), prompts, 2, 8)
     for path in (on_request, at_exit):
         saved = RoutingCounts.load(path)
         assert saved.moe_layers == (0, 1) and saved.model.architecture == "Qwen3MoeForCausalLM"

@@ -10,24 +10,28 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from reference_twin import checked_dense_twin
 from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.server import vllm_server
-from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
+from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 16
+# Picked for wide reference margins: every one of the 16 greedy steps of both is decided by a top-1/top-2 logit gap
+# of at least 7.2e-2 (72 times compare_greedy's 1e-3 cut-off), so both are compared in full.
+COMPLETION_PROMPT = "Serialize obj as a JSON formatted stream to fp."
+CHAT_MESSAGES = [{"role": "user", "content": "Tell me about itertools."}]
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
 def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     model = build_tiny_model(None, "qwen3_moe")
-    twin = str(build_dense_twin(model))
+    twin = str(checked_dense_twin(model))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompt_ids = tokenizer("Beautiful is better than ugly. Explicit is better than implicit.").input_ids
-    messages = [{"role": "user", "content": "What does the json module do?"}]
-    chat_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(COMPLETION_PROMPT).input_ids
+    chat_text = tokenizer.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer(chat_text, add_special_tokens=False).input_ids  # as vLLM renders, then tokenizes
     reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
 
@@ -40,14 +44,15 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
         client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
         name = client.models.list().data[0].id
         completion = client.completions.create(model=name, prompt=prompt_ids, **GREEDY)
-        chat = client.chat.completions.create(model=name, messages=messages, **GREEDY)
+        chat = client.chat.completions.create(model=name, messages=CHAT_MESSAGES, **GREEDY)
         body = json.dumps({"method": SAVE_STATS, "args": [str(stats)]}).encode()
         request = urllib.request.Request(f"{base_url}/collective_rpc", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
             assert json.loads(response.read())["results"] == [str(stats), None]  # TP rank 0 writes, rank 1 not
 
     got = [completion.choices[0].token_ids, chat.choices[0].token_ids]
-    result = compare_greedy(reference, got)
+    result = compare_greedy(reference, got, min_steps=MAX_TOKENS)
+    print(f"serve: {result}; smallest reference margin per prompt {[f'{min(m):.2e}' for m in reference.margins]}")
     assert result.matched, str(result)
     assert chat.choices[0].message.content == tokenizer.decode(got[1], skip_special_tokens=True)
     placements = [line for line in log.read_text().splitlines() if "expert placement" in line]

@@ -15,6 +15,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ENGINE_TIMEOUT_S = 600
+LOG_TAIL_CHARS = 6000
+
+
+class EngineFailed(RuntimeError):
+    """The engine child exited without a result. The message carries the log's tail, enough to read a failure;
+    `log` keeps all of it, so a test can check what happened (or did not) anywhere in the run."""
+
+    def __init__(self, returncode: int, log: str) -> None:
+        super().__init__(f"engine failed (exit {returncode}):\n{log[-LOG_TAIL_CHARS:]}")
+        self.log = log
 
 
 @dataclass
@@ -49,7 +59,7 @@ def generate_greedy(spec: EngineSpec) -> list[list[int]]:
 
 
 def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
-    """Token ids per prompt and the seconds `LLM.generate` took (engine start excluded)."""
+    """Token ids per prompt and the seconds `LLM.generate` took (engine start excluded); EngineFailed if none."""
     env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
@@ -59,7 +69,7 @@ def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
             return result["tokens"], result["generate_s"]
-    raise RuntimeError(f"engine failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    raise EngineFailed(proc.returncode, proc.stdout + proc.stderr)
 
 
 def _run(spec: EngineSpec) -> dict:

@@ -36,24 +36,51 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> Refe
 
 @dataclass
 class Comparison:
-    matched: bool
-    compared_steps: int
+    """Outcome of a greedy comparison: how many steps each prompt had compared, and what went wrong."""
+
+    steps: list[int]  # per prompt: steps compared before the end or a margin stop
+    failures: list[str]  # mismatches, missing prompts or tokens, prompts with too few compared steps
     stopped_early: list[str]  # why a prompt's comparison stopped before the end
 
+    @property
+    def matched(self) -> bool:
+        return not self.failures
+
     def __str__(self) -> str:
-        return f"matched={self.matched} steps={self.compared_steps} early={self.stopped_early}"
+        return (f"matched={self.matched} steps per prompt={self.steps} failures={self.failures} "
+                f"early={self.stopped_early}")
 
 
-def compare_greedy(reference: ReferenceRun, got: list[list[int]], min_margin: float = 1e-3) -> Comparison:
+def _compare_prompt(
+    i: int, ref: list[int], margins: list[float], tokens: list[int], min_margin: float
+) -> tuple[int, list[str], list[str]]:
+    """(steps compared, failures, early-stop notes) for prompt `i`."""
+    failures = [] if len(tokens) == len(ref) else [f"prompt {i}: {len(tokens)} tokens, expected {len(ref)}"]
+    for step, (r, gap, t) in enumerate(zip(ref, margins, tokens)):
+        if gap < min_margin:
+            return step, failures, [f"prompt {i}: step {step} margin {gap:.2e} < {min_margin:g}, stopped"]
+        if r != t:
+            return step, failures + [f"prompt {i}: step {step} expected {r}, got {t}"], []
+    return min(len(ref), len(tokens)), failures, []
+
+
+def compare_greedy(
+    reference: ReferenceRun, got: list[list[int]], *, min_steps: int, min_margin: float = 1e-3
+) -> Comparison:
     """Token-by-token equality, stopping a prompt where the reference's own top-1/top-2 gap is so small
-    that float rounding order may legitimately pick either token."""
-    steps, notes = 0, []
-    for i, (ref, gap, tokens) in enumerate(zip(reference.tokens, reference.margins, got)):
-        for step, (r, g, t) in enumerate(zip(ref, gap, tokens)):
-            if g < min_margin:
-                notes.append(f"prompt {i}: step {step} margin {g:.2e} < {min_margin:g}, stopped")
-                break
-            if r != t:
-                return Comparison(False, steps, notes + [f"prompt {i}: step {step} expected {r}, got {t}"])
-            steps += 1
-    return Comparison(True, steps, notes)
+    that float rounding order may legitimately pick either token.
+
+    Every prompt must come back with the reference's length and have at least `min_steps` steps compared:
+    a per-prompt floor, because a sum over prompts lets one well-covered prompt hide others that were cut
+    short, returned empty or stopped at their first step."""
+    if len(got) != len(reference.tokens):
+        return Comparison([], [f"{len(got)} prompts returned, expected {len(reference.tokens)}"], [])
+    steps, failures, notes = [], [], []
+    for i, (ref, margins, tokens) in enumerate(zip(reference.tokens, reference.margins, got)):
+        compared, bad, early = _compare_prompt(i, ref, margins, tokens, min_margin)
+        steps.append(compared)
+        failures += bad
+        notes += early
+        if compared < min_steps and not bad:
+            failures.append(f"prompt {i}: {compared} steps compared, at least {min_steps} required")
+    return Comparison(steps, failures, notes)

@@ -4,7 +4,8 @@ Nothing is downloaded. Builds are cached under a content hash (architecture, opt
 them, library versions), so a test session pays for each fixture once and a code change rebuilds it.
 
 Sizes are chosen so that every quantized dim splits into 128-element Hadamard blocks at tensor-parallel 2,
-and attention head dims are ones vLLM's CPU attention supports.
+and attention head dims are ones vLLM's CPU attention supports; `config_overrides` departs from that on purpose
+(e.g. an expert intermediate size whose TP share cuts through a block).
 """
 
 from __future__ import annotations
@@ -133,12 +134,14 @@ def _write_generation_config(out_dir: Path, ids: dict[str, int]) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps({**ids, "eos_token_id": eos}, indent=2) + "\n")
 
 
-def build_hf_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
+def build_hf_model(
+    out_dir: Path, arch: str, seed: int = 0, config_overrides: Mapping[str, Any] | None = None
+) -> Path:
     """The random source model in HF layout (bf16 safetensors, tokenizer, generation config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ids = write_tokenizer(out_dir)
-    config = AutoConfig.for_model(arch, **ARCH_CONFIGS[arch], **ids)
+    config = AutoConfig.for_model(arch, **(ARCH_CONFIGS[arch] | dict(config_overrides or {})), **ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPE)
     with torch.no_grad():
@@ -206,22 +209,25 @@ def cached_fixture(
 
 def build_tiny_model(
     out_dir: str | Path | None, arch: str, *, k: float = 3, head_bits: float = 6, seed: int = 0,
-    encoder: str = "random",
+    encoder: str = "random", config_overrides: Mapping[str, Any] | None = None,
 ) -> Path:
     """An EXL3 checkpoint of a random tiny `arch` model under `out_dir` (None: the fixture cache), in a
-    content-keyed directory; an existing build is reused."""
+    content-keyed directory; an existing build is reused. `config_overrides` replace keys of ARCH_CONFIGS[arch]."""
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"arch {arch!r}: expected one of {list(ARCHITECTURES)}")
+    overrides = dict(sorted((config_overrides or {}).items()))
     spec = {"arch": arch, "k": k, "head_bits": head_bits, "seed": seed, "encoder": encoder}
+    spec |= {"config_overrides": overrides} if overrides else {}
 
     def build(work: Path) -> None:
         with tempfile.TemporaryDirectory() as source:
-            build_hf_model(Path(source), arch, seed)
+            build_hf_model(Path(source), arch, seed, overrides)
             convert_checkpoint(source, work, bits=k, head_bits=head_bits, codebook=Codebook.MUL1,
                                encoder=encoder, seed=seed, progress=False)
 
     code = ENCODE_CODE if encoder == "viterbi" else ()
-    return cached_fixture(f"{arch}-k{k}-h{head_bits}-{encoder}-s{seed}", spec, build, code=code, root=out_dir)
+    variant = "".join(f"-{key}{value}" for key, value in overrides.items())
+    return cached_fixture(f"{arch}{variant}-k{k}-h{head_bits}-{encoder}-s{seed}", spec, build, code=code, root=out_dir)
 
 
 def build_dense_twin(

@@ -1,0 +1,78 @@
+"""Exl3MoEMethod's after-load check: an expert tensor the loader never delivered is named, not a KeyError later.
+
+The checkpoint is validated before vLLM loads it, so a missing tensor in the file never reaches this check; what
+does is a tensor that is in the file but that vLLM's weight mapping never routes to the layer. No engine can be
+made to do that on purpose, so the method runs on a bare layer, fed through its own loader callback.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
+from vllm_expert_offload.exl3.errors import Exl3FormatError
+from vllm_expert_offload.exl3.validate import validate_checkpoint
+from vllm_expert_offload.integration.methods.collectors import register_collectors
+from vllm_expert_offload.integration.methods.moe_method import COLLECTORS, Exl3MoEMethod
+from vllm_expert_offload.testing.tiny_models import build_tiny_model
+
+LAYER, EXPERT, EXPERTS = 1, 5, 8
+SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # checkpoint projection -> vLLM shard id
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    model = build_tiny_model(None, "qwen3_moe")
+    return validate_checkpoint(Exl3Checkpoint.open(model)), load_file(model / "model.safetensors")
+
+
+def _method(summary) -> tuple[Exl3MoEMethod, torch.nn.Module]:
+    """The method after create_weights for layer 1, every expert but EXPERT already placed."""
+    method = Exl3MoEMethod.__new__(Exl3MoEMethod)
+    layer = torch.nn.Module()
+    layer.expert_map = None
+    layer._map_global_expert_id_to_local_expert_id = lambda expert: expert
+    register_collectors(layer, COLLECTORS, method._load)
+    method.quant_config = SimpleNamespace(summary=summary)
+    method.layer_index, method.num_local_experts, method._layer = LAYER, EXPERTS, layer
+    method.placed = {e: object() for e in range(EXPERTS) if e != EXPERT}
+    return method, layer
+
+
+def _deliver(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], skip: str | None) -> None:
+    """Hand EXPERT's checkpoint tensors to the layer's collectors as vLLM's loader would, except `skip`."""
+    root = f"model.layers.{LAYER}.mlp.experts.{EXPERT}."
+    for name, tensor in tensors.items():
+        if not name.startswith(root) or name == skip:
+            continue
+        projection, suffix = name.removeprefix(root).split(".")
+        shard = SHARDS[projection]
+        param = getattr(layer, f"{'w2' if shard == 'w2' else 'w13'}_{suffix}")
+        param.weight_loader(param, tensor, name, shard, EXPERT)
+
+
+@pytest.mark.parametrize(
+    ("skip", "message"),
+    [
+        ("down_proj.svh", r"down_proj\.svh: not delivered by the loader \(received \['mul1', 'suh', 'trellis'\]\)"),
+        ("gate_proj.trellis", r"gate_proj\.trellis: not delivered by the loader \(received \['mul1', 'suh', 'svh'\]\)"),
+    ],
+)
+def test_undelivered_expert_tensor_is_named(checkpoint, skip: str, message: str) -> None:
+    summary, tensors = checkpoint
+    method, layer = _method(summary)
+    _deliver(layer, tensors, f"model.layers.{LAYER}.mlp.experts.{EXPERT}.{skip}")
+    with pytest.raises(Exl3FormatError, match=f"model.layers.{LAYER}.mlp.experts.{EXPERT}.{message}"):
+        method.process_weights_after_loading(layer)
+
+
+def test_expert_never_delivered_is_named(checkpoint) -> None:
+    summary, _ = checkpoint
+    method, layer = _method(summary)
+    with pytest.raises(Exl3FormatError, match=rf"experts\.{EXPERT}\.gate_proj\.mul1: not delivered by the loader "
+                                              r"\(received nothing\)"):
+        method.process_weights_after_loading(layer)
