@@ -13,6 +13,7 @@ from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
 
 MAX_TOKENS = 24
+MIN_STEPS = 8  # per prompt; these random prompts were not chosen for wide reference margins
 # (VLLM_USE_V2_MODEL_RUNNER, kernel, enforce_eager, block size, host fraction): four engine starts fit the budget.
 RUNS = (
     ("1", "triton", False, 64, 1.0),
@@ -39,7 +40,7 @@ def main() -> int:
             failures += 1
             print(f"runner V{2 if runner == '1' else 1} {kernel}: engine failed\n{exc}", flush=True)
             continue
-        result = compare_greedy(reference, tokens)
+        result = compare_greedy(reference, tokens, min_steps=MIN_STEPS)
         failures += not result.matched
         print(f"runner V{2 if runner == '1' else 1} {kernel:7s} eager={eager!s:5s} block {block:3d} "
               f"host {host_fraction:.1f}: {len(prompts) * MAX_TOKENS / seconds:7.1f} tok/s  {result}", flush=True)

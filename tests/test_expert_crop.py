@@ -22,6 +22,7 @@ from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.exl3.tensors import padded
 from vllm_expert_offload.integration.methods.linear_method import Exl3LinearMethod
 from vllm_expert_offload.integration.offload.expert_plan import ExpertGeometry
+from vllm_expert_offload.kernels.oracle import choose_kernels
 from vllm_expert_offload.kernels.pointer_tables import (
     build_pointer_tables,
     host_record_bytes,
@@ -138,17 +139,21 @@ def _linear_layer(tp_rank: int, tp_size: int, row_parallel: bool, output_size: i
     return layer
 
 
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("row_parallel", [False, True], ids=["column", "row"])
 @pytest.mark.parametrize(("intermediate", "tp_size", "rank"), [r for key in OFFSETS for r in _ranks(*key)])
 def test_linear_method_rank_weight_equals_the_dense_weights_slice(
-    row_parallel: bool, intermediate: int, tp_size: int, rank: int
+    row_parallel: bool, intermediate: int, tp_size: int, rank: int, kernel: str
 ) -> None:
-    """A dense MLP's up (column-parallel, output split) and down (row-parallel, input split) at the same widths."""
+    """A dense MLP's up (column-parallel, output split) and down (row-parallel, input split) at the same widths:
+    the reference backend's decoded weight is exactly the dense slice; the CPU kernel computes with it."""
     per_rank, start = intermediate // tp_size, rank * (intermediate // tp_size)
     fin, fout = (intermediate, HIDDEN) if row_parallel else (HIDDEN, intermediate)
     tensors = _projection(np.random.default_rng(rank), fin, fout)
     name = "model.layers.0.mlp.down_proj" if row_parallel else "model.layers.0.mlp.up_proj"
-    method = Exl3LinearMethod(SimpleNamespace(shard_prefixes=lambda prefix: [prefix]), name)
+    quant_config = SimpleNamespace(shard_prefixes=lambda prefix: [prefix],
+                                   kernel_choice=lambda device: choose_kernels(kernel, device))
+    method = Exl3LinearMethod(quant_config, name)
     layer = _linear_layer(rank, tp_size, row_parallel, fout)
     method.create_weights(layer, per_rank if row_parallel else fin, [fout if row_parallel else per_rank], fin, fout,
                           torch.float32)
@@ -157,4 +162,8 @@ def test_linear_method_rank_weight_equals_the_dense_weights_slice(
     method.process_weights_after_loading(layer)
     dense = dequantize(tensors)[:fout, :fin]
     want = dense[:, start : start + per_rank] if row_parallel else dense[start : start + per_rank]
-    assert torch.equal(layer.weight, want)
+    if kernel == "torch":
+        assert torch.equal(method.kernel.weight, want)
+    else:
+        x = torch.randn(3, want.shape[1], generator=torch.Generator().manual_seed(rank))
+        torch.testing.assert_close(method.apply(layer, x), x @ want.T, rtol=1e-4, atol=1e-4)
