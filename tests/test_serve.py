@@ -1,6 +1,6 @@
 """`vllm serve` with the plugin, half of each layer's experts in the host tier, at tensor parallel 2,
 queried with the openai client: completions and chat completions give the dense reference's tokens, and routing
-statistics arrive while serving (every interval, on SIGUSR1, at exit) without vLLM's dev mode."""
+statistics arrive while serving (every interval, on SIGUSR1, at shutdown) without vLLM's dev mode."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ CHECKED_ON = ("0.32", "0.33")
 
 
 def checked_options(engine_args) -> OffloadOptions:
+    """The options, parsed here too (workers parse them again) so a refusal comes before any engine process."""
     return parse_offload_options(getattr(engine_args, "additional_config", None))
 
 
