@@ -88,6 +88,7 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
                 reads.append(RoutingCounts.load(stats))
                 time.sleep(0.02)
             completion, chat = requests.result()
+        assert reads, "the statistics file was never read while requests were in flight"
         served = _next_save(stats, after=time.time())
         os.kill(server.pid, signal.SIGUSR1)
         _wait_for_line(log, "routing statistics saved to ['%s'] (SIGUSR1)" % stats)
