@@ -33,8 +33,8 @@ def main() -> None:
     log = Path(tempfile.gettempdir()) / "vllm-expert-offload-serve_tiny.log"
     extra = ["--block-size", str(args.block_size), "--additional-config", json.dumps(offload)]
     print(f"[serve_tiny] starting vllm serve (log: {log}); the first start takes about a minute")
-    with vllm_server(model_dir, extra, log_path=log) as base_url:
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    with vllm_server(model_dir, extra, log_path=log) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Name a prime number."}],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from vllm_expert_offload.integration.startup.crash_line import CrashLineError, check_crash_line
@@ -95,3 +98,31 @@ def test_kernel_options_parsed() -> None:
     opts = parse_offload_options({"expert_offload": {"kernel": "triton", "dequantize_linears": True}})
     assert (opts.kernel, opts.dequantize_linears) == ("triton", True)
     assert not opts.offloads  # choosing a kernel places nothing
+
+
+def test_record_stats_interval(tmp_path) -> None:
+    path = str(tmp_path / "stats.json")
+    assert parse_offload_options({"expert_offload": {"record_stats": path}}).record_stats_interval_s == 300.0
+    opts = parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": 2.5}})
+    assert (opts.record_stats, opts.record_stats_interval_s) == (tmp_path / "stats.json", 2.5)
+    for bad in (0, -5, "300", float("inf")):
+        with pytest.raises(OffloadOptionError, match=r"--additional-config expert_offload\.record_stats_interval_s"):
+            parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": bad}})
+    with pytest.raises(OffloadOptionError, match=r"record_stats_interval_s: only used together with record_stats"):
+        parse_offload_options({"expert_offload": {"record_stats_interval_s": 60}})
+
+
+def test_record_stats_path_that_cannot_be_written_is_refused_with_the_path_named(tmp_path) -> None:
+    missing = tmp_path / "no-such-dir" / "stats.json"
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    blocked.chmod(0o500)
+    # root writes anywhere permissions say it may not; /proc/self takes no new files from anyone
+    unwritable = (Path("/proc/self") if os.geteuid() == 0 else blocked) / "stats.json"
+    cases = [(missing, "does not exist"), (tmp_path, "is a directory"), (unwritable, "is not writable")]
+    for path, reason in cases:
+        with pytest.raises(OffloadOptionError) as err:
+            parse_offload_options({"expert_offload": {"record_stats": str(path)}})
+        message = str(err.value)
+        assert message.startswith("--additional-config expert_offload.record_stats:") and str(path) in message
+        assert reason in message

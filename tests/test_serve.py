@@ -1,17 +1,25 @@
 """`vllm serve` with the plugin, half of each layer's experts in the host tier, at tensor parallel 2,
-queried with the openai client: completions and chat completions give the dense reference's tokens."""
+queried with the openai client: completions and chat completions give the dense reference's tokens, and routing
+statistics arrive while serving (every interval, on SIGUSR1, at shutdown) without vLLM's dev mode."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import numpy as np
 import pytest
 from openai import OpenAI
+from router_counts import hf_router_counts
 from transformers import AutoTokenizer
 
 from reference_twin import checked_dense_twin
-from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
 from vllm_expert_offload.placement import RoutingCounts
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
 from vllm_expert_offload.testing.server import vllm_server
@@ -24,6 +32,33 @@ MAX_TOKENS = 16
 COMPLETION_PROMPT = "Serialize obj as a JSON formatted stream to fp."
 CHAT_MESSAGES = [{"role": "user", "content": "Tell me about itertools."}]
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+SAVE_EVERY_S = 1
+
+
+def _next_save(path: Path, after: float, timeout_s: float = 120) -> RoutingCounts:
+    """The first statistics file written after time `after` (interval end, unix seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and (counts := RoutingCounts.load(path)).interval[1] > after:
+            return counts
+        time.sleep(0.05)
+    raise AssertionError(f"no statistics written to {path} after {after} within {timeout_s}s")
+
+
+def _wait_for_line(log: Path, text: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} not logged within {timeout_s}s"
+        time.sleep(0.05)
+
+
+def _no_dev_mode_rpc(base_url: str) -> bool:
+    request = urllib.request.Request(f"{base_url}/collective_rpc", b"{}", {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as err:
+        return err.code == 404
+    return False
 
 
 def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
@@ -36,20 +71,35 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     reference = hf_greedy(twin, [prompt_ids, chat_ids], MAX_TOKENS)
 
     stats = tmp_path / "stats.json"
-    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(tmp_path / "at-exit.json")}}
+    record = {"record_stats": str(stats), "record_stats_interval_s": SAVE_EVERY_S}
+    offload = {"expert_offload": {"host_fraction": 0.5, **record}}
     args = ["--block-size", "64", "--dtype", "float32", "--additional-config", json.dumps(offload)]
     log = tmp_path / "serve.log"
-    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # exposes vLLM's /collective_rpc, to save statistics on request
-    with vllm_server(model, args, tensor_parallel_size=2, log_path=log, extra_env=dev_mode) as base_url:
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    with vllm_server(model, args, tensor_parallel_size=2, log_path=log) as server:
+        assert _no_dev_mode_rpc(server.url)
+        before = _next_save(stats, after=0)  # saved while idle: the readiness smoke is not counted
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         name = client.models.list().data[0].id
-        completion = client.completions.create(model=name, prompt=prompt_ids, **GREEDY)
-        chat = client.chat.completions.create(model=name, messages=CHAT_MESSAGES, **GREEDY)
-        body = json.dumps({"method": SAVE_STATS, "args": [str(stats)]}).encode()
-        request = urllib.request.Request(f"{base_url}/collective_rpc", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert json.loads(response.read())["results"] == [str(stats), None]  # TP rank 0 writes, rank 1 not
 
+        def serve_both():
+            completion = client.completions.create(model=name, prompt=prompt_ids, **GREEDY)
+            return completion, client.chat.completions.create(model=name, messages=CHAT_MESSAGES, **GREEDY)
+
+        reads = []
+        with ThreadPoolExecutor(1) as pool:
+            requests = pool.submit(serve_both)
+            while not requests.done():  # read while requests are in flight: never a partial file
+                reads.append(RoutingCounts.load(stats))
+                time.sleep(0.02)
+            completion, chat = requests.result()
+        assert reads, "the statistics file was never read while requests were in flight"
+        served = _next_save(stats, after=time.time())
+        os.kill(server.pid, signal.SIGUSR1)
+        _wait_for_line(log, "routing statistics saved to ['%s'] (SIGUSR1)" % stats)
+        stopping = time.time()
+        os.kill(server.pid, signal.SIGTERM)  # how docker or kubernetes stop it
+        _wait_for_line(log, "routing statistics saved to ['%s'] (at shutdown)" % stats)
+    at_shutdown = RoutingCounts.load(stats)
     got = [completion.choices[0].token_ids, chat.choices[0].token_ids]
     result = compare_greedy(reference, got, min_steps=MAX_TOKENS)
     print(f"serve: {result}; smallest reference margin per prompt {[f'{min(m):.2e}' for m in reference.margins]}")
@@ -60,4 +110,23 @@ def test_serve_completions_and_chat_with_host_tier_at_tp2(tmp_path) -> None:
     # Each processed token (prompt, then every generated token but the last) picks 2 experts in each of 2 layers;
     # the readiness smoke ran before and is not counted.
     processed = len(prompt_ids) + len(chat_ids) + 2 * (MAX_TOKENS - 1)
-    assert RoutingCounts.load(stats).counts.sum() == 2 * 2 * processed
+    assert before.tokens == 0 and before.counts.sum() == 0
+    for earlier, later in zip([before, *reads], [*reads, served]):  # counts accumulate across saves
+        assert (later.counts >= earlier.counts).all() and later.interval[0] == before.interval[0]
+    assert served.tokens == processed and served.counts.sum() == 2 * 2 * processed
+    sequences = [prompt_ids + got[0][:-1], chat_ids + got[1][:-1]]  # the last generated token is never routed
+    np.testing.assert_array_equal(served.counts, hf_router_counts(twin, sequences, 8))
+    assert at_shutdown.interval[1] >= stopping and np.array_equal(at_shutdown.counts, served.counts)
+
+
+def test_unwritable_record_stats_refused_before_an_engine_starts(tmp_path) -> None:
+    model = build_tiny_model(None, "qwen3_moe")
+    path = tmp_path / "no-such-dir" / "stats.json"
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(path)}}
+    log = tmp_path / "serve.log"
+    with pytest.raises(RuntimeError, match="did not become healthy"):
+        with vllm_server(model, ["--additional-config", json.dumps(offload)], log_path=log):
+            pass
+    text = log.read_text()
+    assert f"--additional-config expert_offload.record_stats: directory {path.parent} of {path} does not exist" in text
+    assert "EngineCore" not in text and "expert placement" not in text  # refused in the API server, in seconds

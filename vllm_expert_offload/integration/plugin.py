@@ -22,11 +22,12 @@ def register_plugin() -> None:
     from .kv.fix import install as install_kv_block_fix
 
     install_kv_block_fix()
-    # Readiness smoke: one long request before an EXL3 engine is handed out (readiness.py; off with
-    # VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0).
-    from .startup.readiness import install as install_readiness_smoke
+    # Around engine construction: options refused before any engine process starts, the readiness smoke (one
+    # long request before an EXL3 engine is handed out; off with VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0), and
+    # routing statistics saved while `vllm serve` serves (startup/engine_hooks.py).
+    from .startup.engine_hooks import install as install_engine_hooks
 
-    install_readiness_smoke()
+    install_engine_hooks()
     from .startup.worker_rpc import install as install_worker_rpc
 
     install_worker_rpc()

@@ -1,20 +1,24 @@
 """Routing statistics: how often each routed expert is selected, the input the planner weighs host reads with.
 
 `RoutingCounts` accumulates selections ([moe layers, experts], int64) from router top-k ids, merges across TP ranks or
-runs (counts add up), and persists as JSON. `SegmentedCounts` and `RoutingTrace` hold counts per prompt and per-token
-selections, so calibration and evaluation can use different prompts. Layers are named by their model layer index
-(`moe_layers`); row i holds layer `moe_layers[i]`.
+runs (counts add up), and persists as JSON, written atomically because a running server rewrites it while others read
+it. Counts recorded while serving also say how many tokens they cover and over which wall-clock interval (`tokens`,
+`interval`: unix seconds); files without them, written by earlier versions, still load. `SegmentedCounts` and
+`RoutingTrace` hold counts per prompt and per-token selections, so calibration and evaluation can use different
+prompts. Layers are named by their model layer index (`moe_layers`); row i holds layer `moe_layers[i]`.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ._atomic import write_atomically
 from ._validate import read_versioned_json
 from .planfile import ModelIdentity
 
@@ -24,11 +28,29 @@ COUNTS_VERSION = 1
 ROUTING_FIELDS = ("architecture", "num_layers", "num_experts", "moe_layers")
 
 
+def _is_number(value: object, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _coverage(tokens: object, interval: object) -> tuple[int | None, tuple[float, float] | None]:
+    """Checked (tokens, interval): a whole number >= 0 and (start, end) unix seconds with start <= end, or None."""
+    if tokens is not None and not (_is_number(tokens, numbers.Integral) and tokens >= 0):
+        raise ValueError(f"tokens must be a whole number >= 0, got {tokens!r}")
+    if interval is not None:
+        pair = isinstance(interval, (tuple, list)) and len(interval) == 2
+        if not (pair and all(_is_number(t, numbers.Real) for t in interval) and interval[0] <= interval[1]):
+            raise ValueError(f"interval must be (start, end) in unix seconds with start <= end, got {interval!r}")
+        interval = (float(interval[0]), float(interval[1]))
+    return (None if tokens is None else int(tokens)), interval
+
+
 @dataclass
 class RoutingCounts:
     counts: np.ndarray
     moe_layers: tuple[int, ...]
     model: ModelIdentity | None = None
+    tokens: int | None = None  # tokens routed (each counted once, not once per layer or per top-k pick)
+    interval: tuple[float, float] | None = None  # (start, end) of the counting, unix seconds
     _rows: dict[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +65,7 @@ class RoutingCounts:
         geometry = (self.moe_layers, self.num_experts)
         if self.model is not None and (self.model.moe_layers, self.model.num_experts) != geometry:
             raise ValueError("model identity does not match counts' moe_layers / number of experts")
+        self.tokens, self.interval = _coverage(self.tokens, self.interval)
         self._rows = {layer: row for row, layer in enumerate(self.moe_layers)}
 
     @classmethod
@@ -64,7 +87,8 @@ class RoutingCounts:
 
     @classmethod
     def merge(cls, parts: Iterable[RoutingCounts]) -> RoutingCounts:
-        """Sum of counts over TP ranks, runs or files of the same model geometry."""
+        """Sum of counts (and tokens) over TP ranks, runs or files of the same model geometry; the interval spans
+        all of the parts' intervals. Tokens and interval are kept only when every part has them."""
         parts = list(parts)
         if not parts:
             raise ValueError("merge needs at least one RoutingCounts")
@@ -79,7 +103,10 @@ class RoutingCounts:
         for model in models[1:]:
             if (difference := model.first_difference(models[0], ROUTING_FIELDS)) is not None:
                 raise ValueError(f"cannot merge counts of different models: {difference}")
-        return cls(sum(p.counts for p in parts), first.moe_layers, models[0] if models else None)
+        tokens = None if any(p.tokens is None for p in parts) else sum(p.tokens for p in parts)
+        intervals = [p.interval for p in parts]
+        interval = None if None in intervals else (min(i[0] for i in intervals), max(i[1] for i in intervals))
+        return cls(sum(p.counts for p in parts), first.moe_layers, models[0] if models else None, tokens, interval)
 
     def save(self, path: str | Path) -> None:
         doc = {
@@ -90,7 +117,11 @@ class RoutingCounts:
             "num_experts": self.num_experts,
             "counts": {str(layer): row.tolist() for layer, row in zip(self.moe_layers, self.counts)},
         }
-        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        if self.tokens is not None:
+            doc["tokens"] = self.tokens
+        if self.interval is not None:
+            doc["interval"] = {"start": self.interval[0], "end": self.interval[1]}
+        write_atomically(path, json.dumps(doc, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, expected: ModelIdentity | None = None) -> RoutingCounts:
@@ -108,7 +139,14 @@ class RoutingCounts:
             counts = np.array([doc["counts"][str(layer)] for layer in layers], dtype=np.int64)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed 'moe_layers'/'counts': {exc}") from None
-        return cls(counts, tuple(layers), model)
+        try:
+            interval = None if "interval" not in doc else (doc["interval"]["start"], doc["interval"]["end"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: malformed 'interval': {exc!r}") from None
+        try:
+            return cls(counts, tuple(layers), model, doc.get("tokens"), interval)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .engine import engine_env
@@ -33,6 +34,12 @@ def _healthy(base_url: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    pid: int  # the API server process: where SIGUSR1 asks for routing statistics
+
+
 @contextlib.contextmanager
 def vllm_server(
     model_dir: str | Path,
@@ -40,8 +47,8 @@ def vllm_server(
     tensor_parallel_size: int = 1,
     log_path: Path | None = None,
     extra_env: dict[str, str] | None = None,
-) -> Iterator[str]:
-    """Start `vllm serve`, wait for /health, yield the base URL; the server is stopped on exit.
+) -> Iterator[RunningServer]:
+    """Start `vllm serve`, wait for /health, yield its URL and PID; the server is stopped on exit.
 
     The log goes to a file so a failed start can be reported with its cause."""
     port = free_port()
@@ -64,7 +71,7 @@ def vllm_server(
                 tail = log_path.read_text()[-5000:]
                 raise RuntimeError(f"vllm serve did not become healthy (exit {proc.poll()}); log tail:\n{tail}")
             time.sleep(1)
-        yield base_url
+        yield RunningServer(base_url, proc.pid)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

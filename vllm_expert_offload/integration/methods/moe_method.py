@@ -25,11 +25,11 @@ COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def _process_placement(quant_config, geometry: ExpertGeometry, device: torch.device) -> ProcessPlacement:
+def _process_placement(quant_config, geometry: ExpertGeometry, top_k: int, device: torch.device) -> ProcessPlacement:
     """The quant config lives once per process, so it carries the process's placement."""
     if getattr(quant_config, "placement", None) is None:
         options = parse_offload_options(get_current_vllm_config().additional_config)
-        quant_config.placement = ProcessPlacement(options, quant_config.summary, geometry, device)
+        quant_config.placement = ProcessPlacement(options, quant_config.summary, geometry, top_k, device)
     return quant_config.placement
 
 
@@ -88,7 +88,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         _require_eager_if_not_graph_safe(self.kernels, self.device)
         self.params_dtype = params_dtype
         self.num_local_experts = num_experts
-        self.placement = _process_placement(self.quant_config, self.geometry, self.device)
+        top_k = self.moe.experts_per_token
+        self.placement = _process_placement(self.quant_config, self.geometry, top_k, self.device)
         self.placed: dict[int, object] = {}
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)

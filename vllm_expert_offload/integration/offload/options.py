@@ -8,6 +8,7 @@ until the KV cache came out smaller than planned.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ from ...kernels.oracle import BACKENDS
 
 OPTION_KEY = "expert_offload"
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
-_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "min_free_fraction", "kernel", "dequantize_linears"})
+_KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "record_stats_interval_s", "min_free_fraction", "kernel",
+                    "dequantize_linears"})
 DEFAULT_MIN_FREE_FRACTION = 0.03
+DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
 
 
 class OffloadOptionError(ValueError):
@@ -31,6 +34,7 @@ class OffloadOptions:
     host_fraction: float | None = None
     stats: Path | None = None  # routing counts that steer a budget plan
     record_stats: Path | None = None  # where serving writes the counts it observes
+    record_stats_interval_s: float = DEFAULT_RECORD_STATS_INTERVAL_S  # `vllm serve` rewrites record_stats this often
     min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION  # GPU memory that must stay free after the KV cache
     kernel: str = "auto"  # EXL3 backend asked for (kernels/oracle.py decides and refuses)
     dequantize_linears: bool = False  # decode dense EXL3 linears once at load (memory for speed)
@@ -66,6 +70,34 @@ def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
     return path
 
 
+def _output_path(raw: dict[str, Any], key: str) -> Path | None:
+    """A file the plugin will write while serving: its directory must exist and take a new file now, so a typo
+    or a read-only mount is refused at startup instead of being found at the first save, hours into serving."""
+    path = _path(raw, key, must_exist=False)
+    if path is None:
+        return None
+    if path.is_dir():
+        raise OffloadOptionError(f"{_where(key)}: {path} is a directory; expected a file path")
+    directory = path.parent
+    if not directory.is_dir():
+        raise OffloadOptionError(f"{_where(key)}: directory {directory} of {path} does not exist")
+    try:  # the file is written as a temporary file in this directory, then renamed (placement/_atomic.py)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise OffloadOptionError(f"{_where(key)}: directory {directory} of {path} is not writable ({exc})") from None
+    return path
+
+
+def _positive(raw: dict[str, Any], key: str, default: float) -> float:
+    if key not in raw:
+        return default
+    value = _number(raw, key, -math.inf, math.inf)
+    if value <= 0:
+        raise OffloadOptionError(f"{_where(key)}: {value} must be greater than 0")
+    return value
+
+
 def _choice(raw: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
     value = raw.get(key, default)
     if value not in allowed:
@@ -94,12 +126,15 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         raise OffloadOptionError(f"--additional-config {OPTION_KEY}: give one of {list(_PLACEMENT_KEYS)}, not {given}")
     if "stats" in raw and "gpu_budget_gib" not in raw:
         raise OffloadOptionError(f"{_where('stats')}: only used together with gpu_budget_gib")
+    if "record_stats_interval_s" in raw and "record_stats" not in raw:
+        raise OffloadOptionError(f"{_where('record_stats_interval_s')}: only used together with record_stats")
     return OffloadOptions(
         plan=_path(raw, "plan", must_exist=True),
         gpu_budget_gib=_number(raw, "gpu_budget_gib", 0.0, 1e6),
         host_fraction=_number(raw, "host_fraction", 0.0, 1.0),
         stats=_path(raw, "stats", must_exist=True),
-        record_stats=_path(raw, "record_stats", must_exist=False),
+        record_stats=_output_path(raw, "record_stats"),
+        record_stats_interval_s=_positive(raw, "record_stats_interval_s", DEFAULT_RECORD_STATS_INTERVAL_S),
         min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5) if "min_free_fraction" in raw
         else DEFAULT_MIN_FREE_FRACTION,
         kernel=_choice(raw, "kernel", BACKENDS, "auto"),

@@ -6,8 +6,10 @@ arena is sized exactly before a single expert is loaded and each expert goes str
 
 from __future__ import annotations
 
-import atexit
 import logging
+import multiprocessing.util
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,12 +32,27 @@ def _arena_numa_node(device: torch.device) -> int | None:
     return numa_node_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def at_process_exit(callback: Callable[..., object], *args: object) -> None:
+    """Call `callback(*args)` when this process ends normally: also in a child started with the fork method.
+
+    vLLM forks its engine-core and worker processes on GPU machines, and a forked multiprocessing child ends
+    with os._exit, so `atexit` handlers never run there; multiprocessing runs its own finalizers when the child's
+    target returns or raises (SystemExit on SIGTERM included), and from atexit in the main process."""
+    multiprocessing.util.Finalize(None, callback, args, exitpriority=10)
+
+
 class ProcessPlacement:
     def __init__(
-        self, options: OffloadOptions, summary: CheckpointSummary, geometry: ExpertGeometry, device: torch.device
+        self,
+        options: OffloadOptions,
+        summary: CheckpointSummary,
+        geometry: ExpertGeometry,
+        top_k: int,
+        device: torch.device,
     ) -> None:
         self.options = options
         self.geometry = geometry
+        self.top_k = top_k
         self.moe_layers = summary.layout.moe_layers
         self.record_bytes = record_bytes_matrix(summary, geometry)
         self.identity = model_identity(summary, geometry.tp_size, self.record_bytes)
@@ -43,11 +60,12 @@ class ProcessPlacement:
         host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
+        self.counting_since = time.time()
         if device.type == "cuda":
             install_crash_line(options.min_free_fraction, self.record_bytes[self.gpu_tier].tolist())
         self.recording = options.record_stats is not None
         if self.recording and geometry.tp_rank == 0:
-            atexit.register(self.save_stats, options.record_stats)
+            at_process_exit(self.save_stats, options.record_stats, "at exit")
         n_host = int((~self.gpu_tier).sum())
         logger.info(
             "expert placement (tp rank %d): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
@@ -68,7 +86,24 @@ class ProcessPlacement:
         ids = topk_ids.reshape(-1).long()
         self.counts[self.row(layer)].index_add_(0, ids, torch.ones_like(ids))
 
-    def save_stats(self, path: Path) -> None:
-        counts = RoutingCounts(self.counts.cpu().numpy(), self.moe_layers, self.identity)
+    def reset_counts(self) -> None:
+        self.counts.zero_()
+        self.counting_since = time.time()
+
+    def routing_counts(self) -> RoutingCounts:
+        """The counts so far, with the tokens and the interval they cover.
+
+        Called on the worker's main thread between engine steps (a collective_rpc, or at process exit), never
+        inside a forward pass or a CUDA-graph capture: `.cpu()` waits for the work already queued on the current
+        stream, so the copy holds every step that ran before the request (on CUDA one stream sync per save, not
+        per step). Every token is routed through every MoE layer, top_k experts each, so one layer's row sum
+        divided by top_k is the number of tokens."""
+        counts = self.counts.cpu().numpy()
+        tokens = int(counts[0].sum()) // self.top_k
+        return RoutingCounts(counts, self.moe_layers, self.identity, tokens, (self.counting_since, time.time()))
+
+    def save_stats(self, path: Path, when: str = "on request") -> None:
+        counts = self.routing_counts()
         counts.save(path)
-        logger.info("routing statistics written to %s (%d selections)", path, int(counts.counts.sum()))
+        logger.info("routing statistics written to %s %s (%d tokens, %d selections)", path, when, counts.tokens,
+                    int(counts.counts.sum()))

@@ -11,19 +11,14 @@ VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
-import sys
 
 from vllm import SamplingParams
 
-from ..patching import SENTINEL, require_checked_version
 from .worker_rpc import RESET_COUNTS
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
-CHECKED_ON = ("0.32", "0.33")
 ENV = "VLLM_EXPERT_OFFLOAD_READINESS_SMOKE"
 REQUEST_ID = "vllm-expert-offload-readiness"
 DECODE_STEPS = 4
@@ -107,49 +102,3 @@ async def run_async(client) -> None:
     except Exception as exc:
         raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
     _passed(request)
-
-
-def _wrap_engine_factory(llm_engine_cls) -> bool:
-    original = llm_engine_cls.__dict__["from_engine_args"].__func__
-    if getattr(original, SENTINEL, False):
-        return False
-
-    @functools.wraps(original)
-    def from_engine_args(cls, *args, **kwargs):
-        engine = original(cls, *args, **kwargs)
-        run_sync(engine)
-        return engine
-
-    setattr(from_engine_args, SENTINEL, True)
-    llm_engine_cls.from_engine_args = classmethod(from_engine_args)
-    return True
-
-
-def _wrap_async_builder(entry) -> bool:
-    original = entry.build_async_engine_client_from_engine_args
-    if getattr(original, SENTINEL, False):
-        return False
-
-    @contextlib.asynccontextmanager
-    async def build_async_engine_client_from_engine_args(*args, **kwargs):
-        async with original(*args, **kwargs) as client:
-            await run_async(client)
-            yield client
-
-    setattr(build_async_engine_client_from_engine_args, SENTINEL, True)
-    entry.build_async_engine_client_from_engine_args = build_async_engine_client_from_engine_args
-    return True
-
-
-def install() -> int:
-    """Wrap the engine factories already imported in this process (the API/LLM process imports them before
-    plugins load); engine-core and worker processes have neither and need no smoke."""
-    require_checked_version("the readiness hook", CHECKED_ON)
-    wrapped = 0
-    llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
-    if llm_engine is not None:
-        wrapped += _wrap_engine_factory(llm_engine.LLMEngine)
-    entry = sys.modules.get("vllm.entrypoints.launchers.api_server.entry")
-    if entry is not None:
-        wrapped += _wrap_async_builder(entry)
-    return wrapped

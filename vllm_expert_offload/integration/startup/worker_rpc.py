@@ -29,7 +29,7 @@ def _placement(worker):
 def reset_expert_counts(worker) -> bool:
     placement = _placement(worker)
     if placement is not None:
-        placement.counts.zero_()
+        placement.reset_counts()
     return placement is not None
 
 
