@@ -1,0 +1,217 @@
+"""Mixed EXL3 packs (vllm-exl3's config contract): routed experts in EXL3, everything else in its source format.
+
+The contract is parsed with every key checked, compared with the safetensors headers before any layer is built
+(each mismatch refused with the tensor or key named), and every non-EXL3 layer gets exactly the method vLLM
+would build for the declared `non_routed_quantization`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
+from vllm_expert_offload.exl3.config import parse_quant_config
+from vllm_expert_offload.exl3.errors import Exl3FormatError
+from vllm_expert_offload.exl3.validate import validate_checkpoint
+from vllm_expert_offload.testing.tiny_models import (
+    FP8_DELEGATE, build_dense_twin, build_fp8_mixed_model, build_tiny_model, quantize_block_fp8,
+)
+from vllm_expert_offload.tools.inspect_cmd import inspect_checkpoint
+
+LAYER_BITS = {1: 2}  # layer 0's routed experts at the default K=3, layer 1's at K=2 (MixedK)
+# The published contract (vllm-exl3 README), with the `activation_scheme` vLLM's Fp8Config requires.
+PUBLISHED = {
+    "quant_method": "exl3", "bits": 2, "codebook": "mcg", "layer_bits": {"3": 3, "13": 3},
+    "non_routed_quantization": {**FP8_DELEGATE},
+    "non_routed_dtype_policy": "bf16_as_stored", "mtp_experts": "source", "mtp_experts_start_layer": 40,
+    "scope": "deepseek_v41_routed_experts",
+    "non_routed_exl3": {"codebook": "mul1", "layers": {"model.layers.0.self_attn.o_proj": {"bits": 4}}},
+}
+
+
+@pytest.fixture(scope="module")
+def mixed() -> Path:
+    return build_tiny_model(None, "qwen3_moe", layer_bits=LAYER_BITS)
+
+
+@pytest.fixture(scope="module")
+def fp8_mixed() -> Path:
+    return build_fp8_mixed_model("qwen3_moe", layer_bits=LAYER_BITS)
+
+
+def test_published_contract_parses() -> None:
+    contract = parse_quant_config(PUBLISHED).contract
+    assert contract.layer_bits == {3: 3, 13: 3} and contract.routed_bits(3) == 3 and contract.routed_bits(4) == 2
+    assert contract.delegate_method == "fp8" and not contract.delegates_dense  # bf16_as_stored
+    assert contract.source_experts(40) and not contract.source_experts(39)
+    assert contract.exl3_layers == {"model.layers.0.self_attn.o_proj": 4}
+    assert parse_quant_config({"quant_method": "exl3", "bits": 3.27}).contract is None  # exllamav3-native
+
+
+CONTRACT_REFUSALS = {
+    "unknown key": ({"serving_reader_qualified": False}, "quantization_config.serving_reader_qualified"),
+    "layer_bits key": ({"layer_bits": {"x": 3}}, "quantization_config.layer_bits: key 'x'"),
+    "layer_bits value": ({"layer_bits": {"3": 9}}, "quantization_config.layer_bits.3"),
+    "fractional bits": ({"bits": 2.7}, "quantization_config.bits"),
+    "policy": ({"non_routed_dtype_policy": "official_source_native"}, "quantization_config.non_routed_dtype_policy"),
+    "source without start": ({"mtp_experts_start_layer": None}, "quantization_config.mtp_experts_start_layer"),
+    "source without delegate": ({"non_routed_quantization": None}, "quantization_config.mtp_experts: 'source'"),
+    "start without source": ({"mtp_experts": "exl3"}, "quantization_config.mtp_experts_start_layer"),
+    "mtp mode": ({"mtp_experts": "fp8"}, "quantization_config.mtp_experts"),
+    "delegate not a config": ({"non_routed_quantization": {"bits": 8}}, "quantization_config.non_routed_quantization"),
+    "delegate exl3": ({"non_routed_quantization": {"quant_method": "EXL3"}},
+                      "quantization_config.non_routed_quantization.quant_method"),
+    "short form": ({"non_routed_exl3": {"modules": ["o_proj"], "bits": 4}}, "quantization_config.non_routed_exl3.bits"),
+    "bf16 shards": ({"non_routed_exl3": {"layers": {"m.qkv_proj": {"bits": 4, "bf16_shards": [2]}}}},
+                    "non_routed_exl3.layers.m.qkv_proj.bf16_shards"),
+    "dense bits": ({"non_routed_exl3": {"layers": {"m.o_proj": {"bits": 0}}}}, "non_routed_exl3.layers.m.o_proj.bits"),
+    "dense codebook": ({"non_routed_exl3": {"codebook": "nf4"}}, "quantization_config.non_routed_exl3.codebook"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTRACT_REFUSALS))
+def test_contract_refused_with_key_named(case: str) -> None:
+    changes, named = CONTRACT_REFUSALS[case]
+    with pytest.raises(Exl3FormatError) as err:
+        parse_quant_config({**PUBLISHED, **changes})
+    assert named in str(err.value)
+
+
+def _edited(valid: Path, tmp_path: Path, tensors: Callable[[dict], None] | None = None,
+            quant: Callable[[dict], None] | None = None, config: Callable[[dict], None] | None = None) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(valid, out)
+    if tensors is not None:
+        loaded = load_file(out / "model.safetensors")
+        tensors(loaded)
+        save_file(loaded, out / "model.safetensors")
+    hf = json.loads((out / "config.json").read_text())
+    if quant is not None:
+        quant(hf["quantization_config"])
+    if config is not None:
+        config(hf)
+    (out / "config.json").write_text(json.dumps(hf))
+    return out
+
+
+def _refused(path: Path) -> str:
+    with pytest.raises(Exl3FormatError) as err:
+        validate_checkpoint(Exl3Checkpoint.open(path))
+    return str(err.value)
+
+
+def test_mixed_pack_validates_with_each_layer_method(mixed: Path, fp8_mixed: Path) -> None:
+    bf16 = validate_checkpoint(Exl3Checkpoint.open(mixed))
+    assert {lin.k for p, lin in bf16.linears.items() if ".layers.1." in p} == {2}
+    assert {lin.k for p, lin in bf16.linears.items() if ".layers.0." in p} == {3}
+    assert all(".mlp.experts." in p for p in bf16.linears)  # nothing but routed experts is EXL3
+    assert bf16.non_routed["model.layers.0.self_attn.q_proj"] == "unquantized, as stored"
+    fp8 = validate_checkpoint(Exl3Checkpoint.open(fp8_mixed))
+    assert fp8.non_routed["model.layers.1.self_attn.o_proj"] == "delegated to vLLM 'fp8' (block 128x128)"
+    assert fp8.non_routed["lm_head"] == "unquantized, as stored"
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _set_fp8(name: str) -> Callable[[dict], None]:
+    def edit(t: dict) -> None:
+        t[f"{name}.weight"], t[f"{name}.weight_scale_inv"] = quantize_block_fp8(t[f"{name}.weight"])
+
+    return edit
+
+
+def _declare_fp8(q: dict) -> None:
+    q.pop("non_routed_dtype_policy")
+    q["non_routed_quantization"] = FP8_DELEGATE
+
+
+HEADER_REFUSALS = {
+    "declared fp8, stored BF16": (
+        {"quant": _declare_fp8}, ".weight: stored as BF16, but quantization_config.non_routed_quantization declares fp8"),
+    "fp8 scale missing": (
+        {"fp8": True, "tensors": lambda t: t.pop(f"{Q}.weight_scale_inv")}, f"{Q}.weight_scale_inv: missing"),
+    "fp8 weight stored BF16": (
+        {"fp8": True, "tensors": lambda t: t.__setitem__(f"{Q}.weight", torch.zeros(256, 128, dtype=torch.bfloat16))},
+        f"{Q}.weight: stored as BF16, but quantization_config.non_routed_quantization declares fp8"),
+    "bf16_as_stored layer stored fp8": (
+        {"tensors": _set_fp8(Q)}, f"{Q}.weight: stored as F8_E4M3, but quantization_config.non_routed_dtype_policy"),
+    "routed K differs from layer_bits": (
+        {"quant": lambda q: q["layer_bits"].update({"1": 4})},
+        "K=2, but quantization_config.layer_bits.1 declares 4 for the routed experts of layer 1"),
+    "routed K differs from bits": (
+        {"quant": lambda q: q.update(bits=4)}, "K=3, but quantization_config.bits declares 4"),
+    "non_routed_exl3 layer not stored": (
+        {"quant": lambda q: q.update(non_routed_exl3={"layers": {"model.layers.0.self_attn.qkv_proj": {"bits": 4}}})},
+        f"{Q}.trellis: missing, but quantization_config.non_routed_exl3.layers declares "
+        "model.layers.0.self_attn.qkv_proj"),
+    "draft layers inside the main model": (
+        {"quant": lambda q: q.update(non_routed_quantization=FP8_DELEGATE, mtp_experts="source",
+                                     mtp_experts_start_layer=1)},
+        "quantization_config.mtp_experts_start_layer: 1 is inside the main model"),
+    "unchecked delegate": (
+        {"quant": lambda q: (q.pop("non_routed_dtype_policy"), q.update(non_routed_quantization={"quant_method": "awq"}))},
+        "quantization_config.non_routed_quantization.quant_method: 'awq'"),
+    "DeepSeek-V4": (
+        {"config": lambda c: c.update(architectures=["DeepseekV4ForCausalLM"])},
+        "DeepseekV4ForCausalLM: DeepSeek-V4 weights are not supported yet"),
+    "DeepSeek-V4.1": (
+        {"config": lambda c: c.update(architectures=["DeepseekV41ForCausalLM"])},
+        "DeepseekV41ForCausalLM: DeepSeek-V4 weights are not supported yet"),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADER_REFUSALS))
+def test_inconsistent_pack_refused_with_name(mixed: Path, fp8_mixed: Path, tmp_path: Path, case: str) -> None:
+    edits, named = HEADER_REFUSALS[case]
+    base = fp8_mixed if edits.get("fp8") else mixed
+    path = _edited(base, tmp_path, edits.get("tensors"), edits.get("quant"), edits.get("config"))
+    assert named in _refused(path)
+
+
+def test_undeclared_exl3_layer_refused_and_declared_one_accepted(tmp_path: Path) -> None:
+    """An exllamav3-native pack (attention and lm_head in EXL3 too) under the contract: its attention is refused
+    by tensor name until non_routed_exl3 declares it, with vLLM's fused qkv_proj standing for q/k/v."""
+    native = build_tiny_model(None, "qwen3_moe", k=3)
+
+    def contract(q: dict, declared: dict) -> None:
+        q.update(non_routed_dtype_policy="bf16_as_stored", bits=3, non_routed_exl3={"codebook": "mul1", "layers": declared})
+
+    message = _refused(_edited(native, tmp_path / "a", quant=lambda q: contract(q, {"lm_head": {"bits": 6}})))
+    assert "model.layers.0.self_attn.k_proj.trellis: an EXL3 tensor set that quantization_config does not declare" \
+        in message
+    layers = {f"model.layers.{i}.self_attn.{m}": {"bits": 3} for i in (0, 1) for m in ("qkv_proj", "o_proj")}
+    message = _refused(_edited(native, tmp_path / "b", quant=lambda q: contract(q, layers)))
+    assert "lm_head.trellis: an EXL3 tensor set that quantization_config does not declare" in message
+    layers["lm_head"] = {"bits": 6}
+    summary = validate_checkpoint(Exl3Checkpoint.open(_edited(native, tmp_path / "c", quant=lambda q: contract(q, layers))))
+    assert summary.non_routed["model.layers.1.self_attn.v_proj"] == \
+        "EXL3 K=3 (non_routed_exl3 model.layers.1.self_attn.qkv_proj)"
+    layers["lm_head"] = {"bits": 4}
+    message = _refused(_edited(native, tmp_path / "d", quant=lambda q: contract(q, layers)))
+    assert "lm_head.trellis: K=6 mul1, but quantization_config.non_routed_exl3 declares lm_head at K=4" in message
+
+
+def test_dense_twin_dequantizes_block_fp8(fp8_mixed: Path, mixed: Path) -> None:
+    twin = load_file(build_dense_twin(fp8_mixed) / "model.safetensors")
+    source = load_file(mixed / "model.safetensors")[f"{Q}.weight"].float()
+    assert f"{Q}.weight_scale_inv" not in twin
+    error = (twin[f"{Q}.weight"] - source).abs().max() / source.abs().max()
+    assert 0 < error < 0.07  # e4m3 keeps 3 mantissa bits: within 2^-4 of each block's largest weight
+
+
+def test_inspect_shows_the_split(fp8_mixed: Path) -> None:
+    report = inspect_checkpoint(fp8_mixed)
+    assert "pack layout: mixed (routed experts EXL3" in report
+    assert "routed experts: EXL3 at K=3, layer 1 K=2" in report
+    assert "non-routed linears: delegated to vLLM 'fp8'" in report
+    line = next(line for line in report.splitlines() if line.startswith("model.layers.0.self_attn.k_proj "))
+    assert "delegated to vLLM 'fp8' (block 128x128)" in line and "F32,F8_E4M3" in line
+    assert "pack layout: exllamav3-native" in inspect_checkpoint(build_tiny_model(None, "qwen3_moe"))
