@@ -215,3 +215,63 @@ def test_inspect_shows_the_split(fp8_mixed: Path) -> None:
     line = next(line for line in report.splitlines() if line.startswith("model.layers.0.self_attn.k_proj "))
     assert "delegated to vLLM 'fp8' (block 128x128)" in line and "F32,F8_E4M3" in line
     assert "pack layout: exllamav3-native" in inspect_checkpoint(build_tiny_model(None, "qwen3_moe"))
+
+
+def _module(cls: type) -> torch.nn.Module:
+    """An instance for get_quant_method, which only looks at the class and the prefix; building a real parallel
+    layer needs a distributed group this test does not need."""
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    return layer
+
+
+def test_delegated_layers_get_exactly_vllms_method(fp8_mixed: Path, mixed: Path) -> None:
+    """Every non-EXL3 layer of a delegated pack gets the method vLLM's own config class builds from the same
+    parameters; the delegate's global attributes read through ours; bf16_as_stored never delegates."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+
+    quant = json.loads((fp8_mixed / "config.json").read_text())["quantization_config"]
+    config = Exl3Config.from_config(quant)
+    config.maybe_update_config(str(fp8_mixed))
+    vllm_own = get_quantization_config("fp8").from_config(FP8_DELEGATE)
+    assert type(config.delegate) is type(vllm_own)
+    assert config.weight_block_size == [128, 128] and config.activation_scheme == "dynamic"
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    config.packed_modules_mapping = fused  # what vLLM does once it knows the model class
+    vllm_own.packed_modules_mapping = fused
+    assert config.delegate.packed_modules_mapping is fused
+
+    model_config = ModelConfig(model=str(fp8_mixed))  # our quant config, picked up from config.json
+    assert model_config.quantization == "exl3"
+    with set_current_vllm_config(VllmConfig(model_config=model_config)):
+        for cls, prefix in ((QKVParallelLinear, "model.layers.0.self_attn.qkv_proj"),
+                            (RowParallelLinear, "model.layers.1.self_attn.o_proj")):
+            ours, theirs = config.get_quant_method(_module(cls), prefix), vllm_own.get_quant_method(_module(cls), prefix)
+            assert type(ours) is type(theirs) and ours.quant_config is config.delegate
+            assert {k: v for k, v in vars(ours).items() if k != "quant_config"} == \
+                {k: v for k, v in vars(theirs).items() if k != "quant_config"}
+        assert config.get_quant_method(_module(ParallelLMHead), "lm_head") is None  # as fp8: unquantized embedding
+
+        bf16 = Exl3Config.from_config(json.loads((mixed / "config.json").read_text())["quantization_config"])
+        bf16.maybe_update_config(str(mixed))
+        assert bf16.delegate is None
+        assert isinstance(bf16.get_quant_method(_module(RowParallelLinear), "model.layers.0.self_attn.o_proj"),
+                          UnquantizedLinearMethod)
+        assert bf16.get_quant_method(torch.nn.Module(), "model.layers.0.self_attn.attn") is None
+        with pytest.raises(AttributeError):
+            bf16.weight_block_size  # noqa: B018 - nothing to forward to
+
+
+def test_delegate_refused_by_vllm_names_the_key() -> None:
+    """The README's example omits activation_scheme, which vLLM's Fp8Config requires: refused with the key."""
+    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+
+    published = {**PUBLISHED, "non_routed_quantization": {"quant_method": "fp8", "fmt": "e4m3",
+                                                          "weight_block_size": [128, 128]}}
+    with pytest.raises(ValueError, match="quantization_config.non_routed_quantization: vLLM's 'fp8' config refuses"):
+        Exl3Config.from_config(published)
