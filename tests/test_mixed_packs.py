@@ -275,3 +275,37 @@ def test_delegate_refused_by_vllm_names_the_key() -> None:
                                                           "weight_block_size": [128, 128]}}
     with pytest.raises(ValueError, match="quantization_config.non_routed_quantization: vLLM's 'fp8' config refuses"):
         Exl3Config.from_config(published)
+
+
+@pytest.mark.engine
+def test_mixed_pack_serves_reference_tokens_with_experts_on_host(mixed: Path, tmp_path: Path) -> None:
+    """`vllm serve` with the plugin, every routed expert in the host tier: the tiny mixed pack (EXL3 experts at
+    K=3 and K=2, BF16 attention and lm_head) gives HF's greedy tokens on its dequantized twin."""
+    import random
+
+    from openai import OpenAI
+
+    from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
+    from vllm_expert_offload.testing.server import vllm_server
+
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (7, 90, 400)]
+    max_tokens = 24
+    reference = hf_greedy(str(build_dense_twin(mixed)), prompts, max_tokens)
+    offload = {"expert_offload": {"host_fraction": 1.0}}
+    args = ["--block-size", "128", "--dtype", "float32", "--additional-config", json.dumps(offload)]
+    log = tmp_path / "serve.log"
+    with vllm_server(mixed, args, log_path=log) as base_url:
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        got = [
+            client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+            for prompt in prompts
+        ]
+    result = compare_greedy(reference, got)
+    print(f"mixed pack via vllm serve: {result}")
+    assert result.matched, str(result)
+    assert result.compared_steps >= max_tokens, f"too few comparable steps: {result}"
+    text = log.read_text()
+    assert "16 of 16 routed experts in the host tier" in text
