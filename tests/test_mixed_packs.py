@@ -309,3 +309,44 @@ def test_mixed_pack_serves_reference_tokens_with_experts_on_host(mixed: Path, tm
     assert result.compared_steps >= max_tokens, f"too few comparable steps: {result}"
     text = log.read_text()
     assert "16 of 16 routed experts in the host tier" in text
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_mixed_fixture_is_exl3_exactly_in_its_routed_experts(arch: str) -> None:
+    """Every architecture's tiny mixed pack: routed experts EXL3 at their layer's K, every other linear (DeepSeek's
+    MLA, shared experts and dense first layer included) stored BF16; its block-FP8 variant delegates exactly those."""
+    from test_convert_cli import expected_names
+
+    linears, _ = expected_names(arch)
+    routed = {p for p in linears if ".experts." in p and ".shared_experts." not in p}
+    pack = build_tiny_model(None, arch, layer_bits=LAYER_BITS)
+    summary = validate_checkpoint(Exl3Checkpoint.open(pack))
+    assert set(summary.linears) == routed
+    assert {lin.k for p, lin in summary.linears.items() if ".layers.1." in p} == {2}
+    assert set(summary.non_routed) == linears - routed
+    shapes = Exl3Checkpoint.open(pack).header_shapes()
+    assert {shapes[f"{p}.weight"][1] for p in linears - routed} == {"BF16"}
+    fp8 = validate_checkpoint(Exl3Checkpoint.open(build_fp8_mixed_model(arch, layer_bits=LAYER_BITS)))
+    delegated = {p for p, method in fp8.non_routed.items() if method.startswith("delegated to vLLM 'fp8'")}
+    assert delegated == linears - routed - {"lm_head"}
+
+
+def test_quantize_cli_writes_a_mixed_pack(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.cli import main
+    from vllm_expert_offload.testing.tiny_models import build_hf_model
+
+    (tmp_path / "src").mkdir()
+    build_hf_model(tmp_path / "src", "qwen3_moe")
+    argv = ["quantize", str(tmp_path / "src"), str(tmp_path / "dst"), "--bits", "3", "--encoder", "random",
+            "--routed-only", "--layer-bits", "1=2"]
+    assert main(argv) == 0
+    quant = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert (quant["bits"], quant["layer_bits"], quant["non_routed_dtype_policy"], quant["head_bits"]) == \
+        (3, {"1": 2}, "bf16_as_stored", 16)
+    shapes = Exl3Checkpoint.open(tmp_path / "dst").header_shapes()
+    assert shapes["model.layers.1.mlp.experts.7.down_proj.trellis"][0][-1] == 32  # K=2
+    assert shapes["model.layers.0.mlp.experts.7.down_proj.trellis"][0][-1] == 48  # K=3
+    assert shapes[f"{Q}.weight"][1] == "BF16" and "lm_head.trellis" not in shapes
+    capsys.readouterr()
+    assert main([*argv[:2], str(tmp_path / "dst2"), *argv[3:7], "--layer-bits", "1=2"]) == 2
+    assert "--layer-bits" in capsys.readouterr().err  # per-layer K without --routed-only
