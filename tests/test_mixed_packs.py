@@ -350,3 +350,17 @@ def test_quantize_cli_writes_a_mixed_pack(tmp_path: Path, capsys: pytest.Capture
     capsys.readouterr()
     assert main([*argv[:2], str(tmp_path / "dst2"), *argv[3:7], "--layer-bits", "1=2"]) == 2
     assert "--layer-bits" in capsys.readouterr().err  # per-layer K without --routed-only
+
+
+@pytest.mark.engine
+def test_engine_refuses_fp8_declared_for_bf16_before_loading(mixed: Path, tmp_path: Path) -> None:
+    """The silent-garbage case vLLM does not catch: refused at startup, by tensor name, before any weight loads."""
+    from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
+
+    broken = _edited(mixed, tmp_path, quant=_declare_fp8)
+    with pytest.raises(RuntimeError) as err:
+        generate_greedy(EngineSpec(str(broken), [[1, 2, 3]], max_tokens=1))
+    log = str(err.value)
+    assert "EXL3 checkpoint refused: model.layers.0.self_attn.k_proj.weight: stored as BF16, but " \
+        "quantization_config.non_routed_quantization declares fp8" in log
+    assert "Loading safetensors checkpoint shards" not in log
