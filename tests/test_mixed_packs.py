@@ -267,6 +267,32 @@ def test_delegated_layers_get_exactly_vllms_method(fp8_mixed: Path, mixed: Path)
             bf16.weight_block_size  # noqa: B018 - nothing to forward to
 
 
+def test_draft_layer_experts_go_to_the_delegate_and_config_pickles(mixed: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """mtp_experts 'source': routed experts from the start layer on get whatever the delegate builds, the main
+    model's get EXL3; the config (delegate included) survives the pickling that carries it to vLLM's workers."""
+    import pickle
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod
+    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+
+    def with_drafts(q: dict) -> None:
+        q.update(non_routed_quantization=FP8_DELEGATE, mtp_experts="source", mtp_experts_start_layer=2)
+
+    pack = _edited(mixed, tmp_path, quant=with_drafts)
+    config = Exl3Config.from_config(json.loads((pack / "config.json").read_text())["quantization_config"])
+    config.maybe_update_config(str(pack))
+    config = pickle.loads(pickle.dumps(config))
+    assert config.weight_block_size == [128, 128]
+    monkeypatch.setattr(config.delegate, "get_quant_method", lambda layer, prefix: ("delegate's", prefix))
+    experts = _module(RoutedExperts)
+    experts.moe_config = None
+    assert config.get_quant_method(experts, "model.layers.2.mlp.experts") == ("delegate's", "model.layers.2.mlp.experts")
+    assert isinstance(config.get_quant_method(experts, "model.layers.1.mlp.experts"), Exl3MoEMethod)
+
+
 def test_delegate_refused_by_vllm_names_the_key() -> None:
     """The README's example omits activation_scheme, which vLLM's Fp8Config requires: refused with the key."""
     from vllm_expert_offload.integration.methods.quant_config import Exl3Config
