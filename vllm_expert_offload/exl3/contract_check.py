@@ -86,6 +86,9 @@ def dense_exl3_shards(contract: MixedContract) -> dict[str, tuple[str, float]]:
 
 
 class _Checker:
+    """One pack's checks; the delegate's header rules are resolved only if some layer is delegated, so a delegate
+    declared only for draft layers this pack does not store is not refused."""
+
     def __init__(self, contract: MixedContract, layout: MoeLayout, shapes: Mapping[str, tuple[tuple, str]]) -> None:
         self.contract = contract
         self.layout = layout

@@ -44,7 +44,7 @@ class Exl3Config(QuantizationConfig):
     validated in `maybe_update_config`, before any layer is constructed."""
 
     def __init__(self, quant: Exl3QuantConfig) -> None:
-        self.delegate = build_delegate(quant.contract)
+        self.delegate = build_delegate(quant.contract)  # before super().__init__, which sets packed_modules_mapping
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
@@ -64,8 +64,9 @@ class Exl3Config(QuantizationConfig):
 
     @packed_modules_mapping.setter
     def packed_modules_mapping(self, mapping: dict[str, list[str]]) -> None:
-        """vLLM assigns (or updates in place) the model's fused-module map after building the config; the
-        delegate shares the same dict, as it would if vLLM had built it as the model's config."""
+        """vLLM assigns (model_loader.utils.configure_quant_config) or updates in place (SupportsQuant.__new__) the
+        model's fused-module map after building the config (checked against vLLM 0.32.0 and 0.33.0); the delegate
+        shares the same dict, as it would if vLLM had built it as the model's config."""
         self.__dict__["_packed_modules_mapping"] = mapping
         if self.__dict__.get("delegate") is not None:
             self.delegate.packed_modules_mapping = mapping
