@@ -125,7 +125,9 @@ def _non_routed_exl3(value: Any) -> tuple[Codebook | None, dict[str, float]]:
             raise Exl3FormatError(f"{where}.layers.{prefix}: {entry!r}, expected {{'bits': K}}")
         extra = sorted(set(entry) - NON_ROUTED_EXL3_LAYER_KEYS)
         if extra:
-            raise Exl3FormatError(f"{where}.layers.{prefix}.{extra[0]}: not supported (a module is EXL3 in every shard)")
+            raise Exl3FormatError(
+                f"{where}.layers.{prefix}.{extra[0]}: not supported (a module is EXL3 in every shard)"
+            )
         out[str(prefix)] = _k(entry["bits"], f"non_routed_exl3.layers.{prefix}.bits")
     return codebook, out
 

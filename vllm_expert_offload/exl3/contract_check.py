@@ -194,7 +194,8 @@ def check_contract(
     checker.check_exl3(linears)
     plain = [
         prefix for prefix, suffix in map(split_name, shapes)
-        if suffix == "weight" and prefix not in linears and (prefix == HEAD or prefix.rpartition(".")[2] in LINEAR_LEAVES)
+        if suffix == "weight" and prefix not in linears
+        and (prefix == HEAD or prefix.rpartition(".")[2] in LINEAR_LEAVES)
     ]
     roles = checker.check_source(plain)
     declared = dense_exl3_shards(contract)

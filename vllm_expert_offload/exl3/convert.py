@@ -295,7 +295,9 @@ def convert_checkpoint(
     bits = _checked_bits(bits, codebook, "--bits")
     if layer_bits and not routed_only:
         raise Exl3FormatError("--layer-bits: per-layer routed K is part of the mixed-pack contract (routed_only)")
-    layer_bits = {int(layer): _checked_bits(k, codebook, f"--layer-bits {layer}") for layer, k in (layer_bits or {}).items()}
+    layer_bits = {
+        int(layer): _checked_bits(k, codebook, f"--layer-bits {layer}") for layer, k in (layer_bits or {}).items()
+    }
     if routed_only:
         head_bits = UNQUANTIZED_HEAD_BITS
     if head_bits != UNQUANTIZED_HEAD_BITS:

@@ -236,7 +236,9 @@ def build_tiny_model(
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_DELEGATE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
+FP8_DELEGATE = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
+}
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

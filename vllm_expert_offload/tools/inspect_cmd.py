@@ -88,7 +88,7 @@ def _layout_lines(summary: CheckpointSummary, shapes, module_bytes: Mapping[str,
     """Which layers are EXL3 and which are served another way: the split a mixed pack declares."""
     contract = summary.contract
     if contract is None:
-        return ["", "pack layout: exllamav3-native (every linear stored as EXL3 is served by this plugin's EXL3 methods)"]
+        return ["", "pack layout: exllamav3-native (every linear stored as EXL3 is served by the EXL3 methods)"]
     delegate = "none" if contract.non_routed_quantization is None else dict(contract.non_routed_quantization)
     lines = [
         "",
