@@ -8,6 +8,8 @@ would build for the declared `non_routed_quantization`.
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -390,3 +392,23 @@ def test_engine_refuses_fp8_declared_for_bf16_before_loading(mixed: Path, tmp_pa
     assert "EXL3 checkpoint refused: model.layers.0.self_attn.k_proj.weight: stored as BF16, but " \
         "quantization_config.non_routed_quantization declares fp8" in log
     assert "Loading safetensors checkpoint shards" not in log
+
+
+def test_plan_counts_delegated_weights_at_their_stored_size(fp8_mixed: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """Only EXL3 routed experts are placed; every other stored tensor is a non-expert weight at its stored size
+    (one byte per FP8 weight, not the two of the BF16 it came from), plus the experts' suh/svh kept on the GPU."""
+    from vllm_expert_offload.cli import main
+
+    itemsize = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I16": 2, "I32": 4}
+    shapes = Exl3Checkpoint.open(fp8_mixed).header_shapes()
+    expected = sum(
+        math.prod(shape) * itemsize[dtype] for name, (shape, dtype) in shapes.items()
+        if ".mlp.experts." not in name or name.endswith((".suh", ".svh"))
+    )
+    assert main(["plan", "--model", str(fp8_mixed), "--host-fraction", "1", "--out", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pack: mixed; EXL3 routed experts placed per expert" in out
+    row = next(line for line in out.splitlines() if line.startswith("device  non-expert weights"))
+    assert row.split()[-2] == f"{expected:,}"
+    assert re.search(r"^host +host-tier experts +16 ", out, re.MULTILINE)
