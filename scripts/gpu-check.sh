@@ -45,6 +45,8 @@ step "EXL3 kernels per backend beside their rooflines" \
 if python3 -c "import vllm" 2>/dev/null; then
     STEP_TIMEOUT_S=300 step "tiny EXL3 MoE on the CUDA engine: V1/V2 runners, per backend, tokens vs HF" \
         python3 scripts/gpu_engine_check.py
+    STEP_TIMEOUT_S=150 step "tiny mixed pack (EXL3 experts, block-FP8 attention delegated to vLLM's fp8) on the CUDA engine" \
+        python3 scripts/gpu_engine_check.py --fp8-mixed
 else
     echo "== no vLLM CUDA build importable: engine step not run"; failed+=("engine (no vLLM)")
 fi

@@ -1,7 +1,12 @@
 """Engine part of scripts/gpu-check.sh: the tiny EXL3 MoE served by the CUDA engine with each backend, half
 and all of the experts in the host tier, at block 64 and 128, on Model Runner V2 (vLLM's CUDA default) and V1
 (VLLM_USE_V2_MODEL_RUNNER=0); greedy tokens compared with HF on the dense twin (float32). Triton runs without
---enforce-eager (torch.compile + CUDA graphs), the torch reference with it."""
+--enforce-eager (torch.compile + CUDA graphs), the torch reference with it.
+
+`--fp8-mixed`: instead, a tiny mixed pack (EXL3 routed experts, block-FP8 attention delegated to vLLM's `fp8`;
+docs/models.md) in bfloat16 with every expert on host. vLLM's fp8 quantizes activations per 1x128 group, so tokens
+cannot equal the float32 reference throughout; a wrongly loaded delegate (an uninitialized scale) emits garbage from
+the first token, so every prompt must agree for its first FP8_PREFIX tokens, and the full comparison is printed."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ import sys
 
 from vllm_expert_offload.testing.engine import EngineSpec, generate_timed
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
-from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_tiny_model
+from vllm_expert_offload.testing.tiny_models import build_dense_twin, build_fp8_mixed_model, build_tiny_model
 
 MAX_TOKENS = 24
 MIN_STEPS = 8  # per prompt; these random prompts were not chosen for wide reference margins
+FP8_PREFIX = 4
 # (VLLM_USE_V2_MODEL_RUNNER, kernel, enforce_eager, block size, host fraction): four engine starts fit the budget.
 RUNS = (
     ("1", "triton", False, 64, 1.0),
@@ -23,10 +29,34 @@ RUNS = (
 )
 
 
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 700) for _ in range(n)] for n in (7, 300, 600)]
+
+
+def fp8_mixed() -> int:
+    model = str(build_fp8_mixed_model("qwen3_moe", layer_bits={1: 2}))
+    prompts = _prompts()
+    reference = hf_greedy(str(build_dense_twin(model)), prompts, MAX_TOKENS)
+    env = {"VLLM_TARGET_DEVICE": "cuda", "TRITON_INTERPRET": "0"}
+    spec = EngineSpec(model, prompts, MAX_TOKENS, dtype="bfloat16", extra_env=env,
+                      additional_config={"expert_offload": {"host_fraction": 1.0, "kernel": "triton"}})
+    try:
+        tokens, seconds = generate_timed(spec)
+    except RuntimeError as exc:
+        print(f"fp8 mixed pack: engine failed\n{exc}", flush=True)
+        return 1
+    prefixes = [next((i for i, (r, t) in enumerate(zip(ref, got)) if r != t), len(ref))
+                for ref, got in zip(reference.tokens, tokens)]
+    print(f"fp8 mixed pack (bf16, all experts on host): {len(prompts) * MAX_TOKENS / seconds:.1f} tok/s, "
+          f"tokens equal to the float32 reference for the first {prefixes} steps; "
+          f"{compare_greedy(reference, tokens, min_steps=0)}", flush=True)
+    return 0 if min(prefixes) >= FP8_PREFIX else 1
+
+
 def main() -> int:
     model = str(build_tiny_model(None, "qwen3_moe"))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (7, 300, 600)]
+    prompts = _prompts()
     reference = hf_greedy(str(build_dense_twin(model)), prompts, MAX_TOKENS)
     failures = 0
     for runner, kernel, eager, block, host_fraction in RUNS:
@@ -48,4 +78,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fp8_mixed() if sys.argv[1:] == ["--fp8-mixed"] else main())

@@ -8,17 +8,19 @@ from typing import Any
 
 from .bitrate import HALF_K, INTEGER_K
 from .codebook import Codebook
+from .contract import CONTRACT_KEYS, MixedContract, is_mixed, parse_contract
 from .errors import Exl3FormatError
 
 QUANT_METHOD = "exl3"
 UNQUANTIZED_HEAD_BITS = 16
 # Keys exllamav3 1.6.x writes; all are informational except where parse_quant_config checks them.
-KNOWN_KEYS = frozenset(
+EXLLAMAV3_KEYS = frozenset(
     {
         "quant_method", "version", "bits", "head_bits", "calibration", "out_scales", "codebook",
         "vision_bits", "mtp_bits", "original_quantization_config", "tensor_storage",
     }
 )
+KNOWN_KEYS = EXLLAMAV3_KEYS | CONTRACT_KEYS
 OUT_SCALES = ("always", "never", "auto")
 
 
@@ -29,6 +31,7 @@ class Exl3QuantConfig:
     codebook: Codebook | None  # None: not recorded; every tensor set carries its own marker
     version: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)  # informational keys kept for `inspect`
+    contract: MixedContract | None = None  # a mixed pack (contract.py); None: exllamav3-native, all linears EXL3
 
     @property
     def lm_head_quantized(self) -> bool | None:
@@ -52,8 +55,8 @@ def parse_quant_config(config: Mapping[str, Any]) -> Exl3QuantConfig:
     unknown = sorted(set(config) - KNOWN_KEYS)
     if unknown:
         raise Exl3FormatError(
-            f"quantization_config: unsupported key(s) {unknown}; this plugin reads checkpoints written by exllamav3 "
-            f"(known keys: {sorted(KNOWN_KEYS)})"
+            f"quantization_config.{unknown[0]}: unsupported key; this plugin reads exllamav3's keys and the "
+            f"mixed-pack contract's (known keys: {sorted(KNOWN_KEYS)})"
         )
     bits = _number(config, "bits")
     if bits is None:
@@ -82,10 +85,12 @@ def parse_quant_config(config: Mapping[str, Any]) -> Exl3QuantConfig:
     out_scales = config.get("out_scales")
     if out_scales is not None and out_scales not in OUT_SCALES:
         raise Exl3FormatError(f"quantization_config.out_scales: {out_scales!r}, expected one of {list(OUT_SCALES)}")
-    extra = {k: v for k, v in config.items() if k not in ("quant_method", "bits", "head_bits", "codebook", "version")}
+    parsed = ("quant_method", "bits", "head_bits", "codebook", "version", *CONTRACT_KEYS)
+    extra = {k: v for k, v in config.items() if k not in parsed}
     return Exl3QuantConfig(
         bits=bits, head_bits=head_bits, codebook=codebook,
         version=None if config.get("version") is None else str(config["version"]), extra=extra,
+        contract=parse_contract(config, bits) if is_mixed(config) else None,
     )
 
 

@@ -27,6 +27,7 @@ from .bitrate import HALF_K, INTEGER_K, check_k_codebook
 from .checkpoint import Exl3Checkpoint, split_name
 from .codebook import Codebook, codebook_table
 from .config import UNQUANTIZED_HEAD_BITS, quant_config_dict
+from .contract import BF16_AS_STORED
 from .decode import dequantize
 from .errors import Exl3FormatError
 from .naming import SUPPORTED_ARCHITECTURES, moe_layout
@@ -56,6 +57,7 @@ SIDE_FILES = (
     "chat_template*", "generation_config.json",
 )
 ENCODERS = ("viterbi", "random")
+MIXED_SCOPE = "routed_experts"  # `scope` a mixed pack written here records (informational)
 
 
 def _head_bits(hf_config: Mapping[str, Any], head_bits: float | None) -> float:
@@ -278,21 +280,34 @@ def convert_checkpoint(
     encoder: str = "viterbi",
     seed: int = 0,
     progress: bool = True,
+    routed_only: bool = False,
+    layer_bits: Mapping[int, float] | None = None,
 ) -> Path:
     """Write an EXL3 checkpoint of the HF checkpoint in `src` to `dst` (a single model.safetensors).
 
     Every tensor present in `src` is converted or copied, so a partial checkpoint gives a partial result;
     completeness is the loader's check. The recorded `bits` is the trellis bits per stored (padded) weight over
     the non-head linears.
+
+    `routed_only` writes a mixed pack (exl3/contract.py) instead: only routed experts in EXL3, at `bits` or
+    their layer's `layer_bits`, every other tensor exactly as stored, declared `bf16_as_stored`.
     """
     src, dst = Path(src), Path(dst)
     if encoder not in ENCODERS:
         raise Exl3FormatError(f"--encoder: {encoder!r}, expected one of {list(ENCODERS)}")
     bits = _checked_bits(bits, codebook, "--bits")
+    if layer_bits and not routed_only:
+        raise Exl3FormatError("--layer-bits: per-layer routed K is part of the mixed-pack contract (routed_only)")
+    layer_bits = {
+        int(layer): _checked_bits(k, codebook, f"--layer-bits {layer}") for layer, k in (layer_bits or {}).items()
+    }
+    if routed_only:
+        head_bits = UNQUANTIZED_HEAD_BITS
     if head_bits != UNQUANTIZED_HEAD_BITS:
         head_bits = _checked_bits(head_bits, codebook, "--head-bits")
     hf_config = _read_config(src)
-    if moe_layout(hf_config) is None:  # other architectures may name their linears differently: refuse them
+    layout = moe_layout(hf_config)
+    if layout is None:  # other architectures may name their linears differently: refuse them
         raise Exl3FormatError(
             f"{src / 'config.json'}: architectures {hf_config.get('architectures')} are not supported; "
             f"expected one of {list(SUPPORTED_ARCHITECTURES)}"
@@ -303,6 +318,8 @@ def convert_checkpoint(
     encode = partial(_encode_viterbi, show_progress=progress) if encoder == "viterbi" else encode_random
     names = _output_names(source)
     targets = [name for name in names if is_quantized_linear(name, hf_config, head_bits)]
+    if routed_only:
+        targets = [name for name in targets if layout.expert_layer(split_name(name)[0]) is not None]
     consumed = set(targets) | {f"{split_name(name)[0]}.bias" for name in targets}
     out: dict[str, torch.Tensor] = {}
     layers: dict[str, Exl3Linear] = {}
@@ -313,22 +330,28 @@ def convert_checkpoint(
         if tuple(weight.shape) != expected:
             raise Exl3FormatError(f"{names[name]}: shape {tuple(weight.shape)}, but config.json implies {expected}")
         bias_name = f"{prefix}.bias"
+        expert_layer = layout.expert_layer(prefix)
+        k = head_bits if prefix == HEAD else layer_bits.get(expert_layer, bits)
         layer = encode(
-            weight, head_bits if prefix == HEAD else bits, codebook, name=prefix,
+            weight, k, codebook, name=prefix,
             bias=source[bias_name] if bias_name in source else None, seed=seed,
         )
         layers[prefix] = layer
         out |= {f"{prefix}.{suffix}": t.contiguous() for suffix, t in layer.tensors().items()}
     for name, source_name in names.items():
         if name not in consumed:
-            out[name] = _unquantized(name, source[source_name], torch.float16)
+            tensor = source[source_name]
+            out[name] = tensor.contiguous() if routed_only else _unquantized(name, tensor, torch.float16)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, dst / WEIGHTS_FILE, metadata={"format": "pt"})
 
     body = [layer for prefix, layer in layers.items() if prefix != HEAD]
     stored = sum(layer.in_features * layer.out_features for layer in body)
     average = sum(layer.k * layer.in_features * layer.out_features for layer in body) / stored if stored else bits
-    quant = quant_config_dict(average, head_bits, codebook, EXL3_FORMAT_VERSION)
+    quant = quant_config_dict(bits if routed_only else average, head_bits, codebook, EXL3_FORMAT_VERSION)
+    if routed_only:
+        quant |= {"layer_bits": {str(layer): k for layer, k in sorted(layer_bits.items())},
+                  "non_routed_dtype_policy": BF16_AS_STORED, "scope": MIXED_SCOPE}
     if "quantization_config" in hf_config:
         quant["original_quantization_config"] = hf_config["quantization_config"]
     _write_json(dst / "config.json", {**hf_config, "quantization_config": quant, "tie_word_embeddings": False})
@@ -337,9 +360,21 @@ def convert_checkpoint(
     return dst
 
 
+BLOCK_FP8_SCALE = "weight_scale_inv"  # DeepSeek's name for the per-block dequantization multiplier
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """W = q * scale per [rows/scale_rows, cols/scale_cols] block (DeepSeek block FP8; edge blocks may be short)."""
+    out_f, in_f = weight.shape
+    block_r, block_c = -(-out_f // scale_inv.shape[0]), -(-in_f // scale_inv.shape[1])
+    scale = scale_inv.float().repeat_interleave(block_r, 0)[:out_f].repeat_interleave(block_c, 1)[:, :in_f]
+    return weight.float() * scale
+
+
 def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Dequantize every EXL3 linear of `exl3_dir` into a plain HF checkpoint in `out_dir`, cropped to the model's
-    true shapes, in `dtype` (the routing bias stays fp32). float32 keeps the decoded weights exact."""
+    """Dequantize every EXL3 linear (and a mixed pack's block-FP8 linears) of `exl3_dir` into a plain HF checkpoint
+    in `out_dir`, cropped to the model's true shapes, in `dtype` (the routing bias stays fp32). float32 keeps the
+    decoded weights exact."""
     exl3_dir, out_dir = Path(exl3_dir), Path(out_dir)
     ckpt = Exl3Checkpoint.open(exl3_dir)
     _check_output(out_dir, exl3_dir)
@@ -353,7 +388,11 @@ def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dty
             out[f"{prefix}.bias"] = layer.bias[:out_features].to(dtype).contiguous()
     grouped = {name for names in groups.values() for name in names.values()}
     for name in ckpt.tensor_files:
-        if name not in grouped:
+        prefix, suffix = split_name(name)
+        scale = f"{prefix}.{BLOCK_FP8_SCALE}"
+        if suffix == "weight" and scale in ckpt.tensor_files:
+            out[name] = dequantize_block_fp8(ckpt.tensor(name), ckpt.tensor(scale)).to(dtype).contiguous()
+        elif name not in grouped and suffix != BLOCK_FP8_SCALE:
             out[name] = _unquantized(name, ckpt.tensor(name), dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(out, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})

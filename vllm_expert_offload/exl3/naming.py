@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,12 @@ class MoeLayout:
         if self.shared_expert_root is None:
             return None
         return f"{self.shared_expert_root.format(layer=layer)}.{self.projection_names[projection]}"
+
+    def expert_layer(self, prefix: str) -> int | None:
+        """The layer of a routed-expert module name (any layer index, draft layers included); None otherwise."""
+        root = re.escape(self.expert_root).replace(r"\{layer\}", r"(\d+)")
+        match = re.match(rf"^{root}\.\d+\.", prefix + ".")
+        return None if match is None else int(match.group(1))
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         """(in_features, out_features) of one routed expert projection, unpadded."""

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import Exl3Checkpoint
+from .contract import MixedContract
+from .contract_check import check_contract, not_served_reason
 from .errors import Exl3FormatError
 from .naming import PROJECTIONS, MoeLayout, moe_layout
 from .tensors import MARKER_SUFFIXES, Exl3Linear, parse_linear
@@ -29,6 +31,8 @@ class CheckpointSummary:
     suffixes: dict[str, frozenset[str]]  # prefix -> the suffixes stored for it (what a loader must receive)
     layout: MoeLayout | None
     expert_bytes: dict[int, list[int]] = field(default_factory=dict)  # moe layer -> bytes per expert
+    contract: MixedContract | None = None  # a mixed pack's declaration; None: exllamav3-native
+    non_routed: dict[str, str] = field(default_factory=dict)  # mixed pack: linear -> the method serving it
 
     @property
     def quantized_prefixes(self) -> frozenset[str]:
@@ -75,12 +79,15 @@ def _check_uniform(layout: MoeLayout, linears: dict[str, Exl3Linear], layer: int
             )
 
 
-def _check_expert_names(layout: MoeLayout, names: list[str]) -> None:
-    """Tensors of experts or layers the model does not have, refused before any set is parsed."""
+def _check_expert_names(layout: MoeLayout, names: list[str], contract: MixedContract | None) -> None:
+    """Tensors of experts or layers the model does not have, refused before any set is parsed; a mixed pack's
+    source-format draft layers (past the main stack) are the draft model's, not the main model's."""
     root = re.escape(layout.expert_root).replace(r"\{layer\}", r"(\d+)")
     pattern = re.compile(rf"^{root}\.(\d+)\.")
     for name in names:
         match = pattern.match(name)
+        if match and contract is not None and contract.source_experts(int(match.group(1))):
+            continue
         if match and (int(match.group(1)) not in layout.moe_layers or int(match.group(2)) >= layout.num_experts):
             raise Exl3FormatError(
                 f"{name}: unexpected tensor (layer {match.group(1)} has experts 0..{layout.num_experts - 1}"
@@ -114,10 +121,16 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
 
     `uniform_expert_k`: the MoE kernel that will run needs one K and codebook per projection and layer
     (exllamav3's fused kernels do); the CPU table kernel decodes each expert on its own and mixes freely."""
+    reason = not_served_reason(ckpt.hf_config)
+    if reason is not None:
+        raise Exl3FormatError(reason)
     layout = moe_layout(ckpt.hf_config)
+    contract = ckpt.quant_config.contract
     if layout is not None:
-        _check_expert_names(layout, list(ckpt.tensor_files))
+        _check_expert_names(layout, list(ckpt.tensor_files), contract)
     linears = _header_linears(ckpt)
+    non_routed = {} if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears)
     expert_bytes = _check_experts(layout, linears, uniform_expert_k) if layout else {}
     suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
-    return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes)
+    return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes,
+                             contract=contract, non_routed=non_routed)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..exl3.codebook import Codebook
-from ..exl3.convert import convert_checkpoint, write_dense_twin
+from ..exl3.checkpoint import split_name
+from ..exl3.convert import BLOCK_FP8_SCALE, HEAD, LINEAR_LEAVES, convert_checkpoint, write_dense_twin
 
 CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/vllm-expert-offload/fixtures")
@@ -210,24 +211,78 @@ def cached_fixture(
 def build_tiny_model(
     out_dir: str | Path | None, arch: str, *, k: float = 3, head_bits: float = 6, seed: int = 0,
     encoder: str = "random", config_overrides: Mapping[str, Any] | None = None,
+    layer_bits: Mapping[int, float] | None = None,
 ) -> Path:
     """An EXL3 checkpoint of a random tiny `arch` model under `out_dir` (None: the fixture cache), in a
-    content-keyed directory; an existing build is reused. `config_overrides` replace keys of ARCH_CONFIGS[arch]."""
+    content-keyed directory; an existing build is reused. `config_overrides` replace keys of ARCH_CONFIGS[arch].
+
+    `layer_bits` (even empty) makes a mixed pack instead: routed experts only in EXL3, at `k` or their layer's
+    K, everything else BF16 as stored (`head_bits` does not apply)."""
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"arch {arch!r}: expected one of {list(ARCHITECTURES)}")
     overrides = dict(sorted((config_overrides or {}).items()))
     spec = {"arch": arch, "k": k, "head_bits": head_bits, "seed": seed, "encoder": encoder}
     spec |= {"config_overrides": overrides} if overrides else {}
+    variant = "".join(f"-{key}{value}" for key, value in overrides.items())
+    mixed = layer_bits is not None
+    name = f"{arch}{variant}-k{k}-h{head_bits}-{encoder}-s{seed}"
+    if mixed:
+        spec = {**spec, "head_bits": None, "layer_bits": {str(layer): b for layer, b in sorted(layer_bits.items())}}
+        name = f"{arch}{variant}-mixed-k{k}-" + "-".join(f"l{layer}k{b}" for layer, b in sorted(layer_bits.items())) \
+            + f"-{encoder}-s{seed}"
 
     def build(work: Path) -> None:
         with tempfile.TemporaryDirectory() as source:
             build_hf_model(Path(source), arch, seed, overrides)
             convert_checkpoint(source, work, bits=k, head_bits=head_bits, codebook=Codebook.MUL1,
-                               encoder=encoder, seed=seed, progress=False)
+                               encoder=encoder, seed=seed, progress=False, routed_only=mixed, layer_bits=layer_bits)
 
     code = ENCODE_CODE if encoder == "viterbi" else ()
-    variant = "".join(f"-{key}{value}" for key, value in overrides.items())
-    return cached_fixture(f"{arch}{variant}-k{k}-h{head_bits}-{encoder}-s{seed}", spec, build, code=code, root=out_dir)
+    return cached_fixture(name, spec, build, code=code, root=out_dir)
+
+
+FP8_BLOCK = (128, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DELEGATE = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
+}
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv) as DeepSeek's block-FP8 checkpoints store a linear."""
+    out_f, in_f = weight.shape
+    rows, cols = -(-out_f // block[0]), -(-in_f // block[1])
+    w = torch.nn.functional.pad(weight.float(), (0, cols * block[1] - in_f, 0, rows * block[0] - out_f))
+    tiles = w.reshape(rows, block[0], cols, block[1])
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).reshape(rows * block[0], cols * block[1])[:out_f, :in_f]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def _write_fp8_mixed(mixed_dir: Path, work: Path) -> None:
+    """The mixed pack in `mixed_dir` with every non-routed linear but lm_head in block FP8, delegated to vLLM's
+    `fp8` (DeepSeek's published layout: `non_routed_quantization` and no dtype policy)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(mixed_dir, work, dirs_exist_ok=True)
+    tensors = load_file(work / "model.safetensors")
+    for name in list(tensors):
+        prefix, suffix = split_name(name)
+        if suffix == "weight" and prefix != HEAD and prefix.rpartition(".")[2] in LINEAR_LEAVES:
+            tensors[name], tensors[f"{prefix}.{BLOCK_FP8_SCALE}"] = quantize_block_fp8(tensors[name])
+    save_file(tensors, work / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((work / "config.json").read_text())
+    quant = config["quantization_config"]
+    quant.pop("non_routed_dtype_policy")
+    quant["non_routed_quantization"] = FP8_DELEGATE
+    (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build_fp8_mixed_model(arch: str, *, k: float = 3, layer_bits: Mapping[int, float] | None = None) -> Path:
+    """A tiny mixed pack whose non-routed linears are block FP8 (the DeepSeek packs' layout), cached."""
+    mixed = build_tiny_model(None, arch, k=k, layer_bits=layer_bits or {})
+    spec = {"fp8_of": mixed.name, "block": FP8_BLOCK}
+    return cached_fixture(f"{mixed.name}-fp8", spec, lambda work: _write_fp8_mixed(mixed, work))
 
 
 def build_dense_twin(

@@ -10,14 +10,14 @@ import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..exl3.checkpoint import Exl3Checkpoint
+from ..exl3.checkpoint import Exl3Checkpoint, split_name
 from ..exl3.errors import Exl3FormatError
 from ..exl3.naming import PROJECTIONS
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
 
 # safetensors header dtype -> bytes per element
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 MIB = 1 << 20
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nbytes(shapes: Mapping[str, tuple[tuple[int, ...], str]], name: str) -> int:
+def nbytes(shapes: Mapping[str, tuple[tuple[int, ...], str]], name: str) -> int:
     shape, dtype = shapes[name]
     if dtype not in DTYPE_BYTES:
         raise Exl3FormatError(f"{name}: unknown safetensors dtype {dtype}")
@@ -84,13 +84,44 @@ def _expert_rows(summary: CheckpointSummary, module_bytes: Mapping[str, int]) ->
     return rows, prefixes
 
 
+def _layout_lines(summary: CheckpointSummary, shapes, module_bytes: Mapping[str, int]) -> list[str]:
+    """Which layers are EXL3 and which are served another way: the split a mixed pack declares."""
+    contract = summary.contract
+    if contract is None:
+        return ["", "pack layout: exllamav3-native (every linear stored as EXL3 is served by the EXL3 methods)"]
+    delegate = "none" if contract.non_routed_quantization is None else dict(contract.non_routed_quantization)
+    lines = [
+        "",
+        "pack layout: mixed (routed experts EXL3, other weights in their source format)",
+        f"  scope={contract.scope} non_routed_dtype_policy={contract.dtype_policy} non_routed_quantization={delegate}",
+        f"  routed experts: EXL3 at K={contract.bits:g}"
+        + "".join(f", layer {layer} K={k:g}" for layer, k in sorted(contract.layer_bits.items())),
+        f"  non-routed linears: {contract.dense_method()}"
+        + ("" if not contract.exl3_layers else f", except {len(contract.exl3_layers)} non_routed_exl3 modules"),
+    ]
+    if contract.mtp_experts == "source":
+        lines.append(f"  draft experts from layer {contract.mtp_start_layer}: source format, delegated to vLLM "
+                     f"{contract.delegate_method!r}")
+    by_module: dict[str, list[str]] = {}
+    for name in shapes:
+        by_module.setdefault(split_name(name)[0], []).append(name)
+    rows = []
+    for prefix, method in sorted(summary.non_routed.items()):
+        names = by_module.get(prefix, [])
+        stored = ",".join(sorted({shapes[n][1] for n in names}))
+        size = module_bytes.get(prefix) or sum(nbytes(shapes, n) for n in names)
+        rows.append([prefix, method, stored, f"{size:,}"])
+    return lines + ["", "non-routed linears (mixed pack: the method serving each)"] + _table(
+        ["module", "served as", "stored", "bytes"], rows)
+
+
 def inspect_checkpoint(model_dir: str | Path) -> str:
     """The report `inspect` prints; every size comes from the stored tensors (padding and scales included)."""
     ckpt = Exl3Checkpoint.open(model_dir)
     summary = validate_checkpoint(ckpt)
     shapes = ckpt.header_shapes()
     groups = ckpt.linear_tensor_names()
-    module_bytes = {prefix: sum(_nbytes(shapes, n) for n in names.values()) for prefix, names in groups.items()}
+    module_bytes = {prefix: sum(nbytes(shapes, n) for n in names.values()) for prefix, names in groups.items()}
     quant = {k: v for k, v in ckpt.hf_config["quantization_config"].items() if k != "tensor_storage"}
     lines = [
         f"model: {ckpt.path}",
@@ -107,9 +138,10 @@ def inspect_checkpoint(model_dir: str | Path) -> str:
     if expert_rows:
         lines += ["", "routed experts (gate, up and down projections per expert)"]
         lines += _table(["layer", "experts", "K", "codebooks", "bytes/expert", "total bytes"], expert_rows)
+    lines += _layout_lines(summary, shapes, module_bytes)
     quantized = sum(module_bytes.values())
     grouped = {name for names in groups.values() for name in names.values()}
-    unquantized = sum(_nbytes(shapes, name) for name in shapes if name not in grouped)
+    unquantized = sum(nbytes(shapes, name) for name in shapes if name not in grouped)
     lines += [
         "",
         f"quantized:   {_size(quantized)} in {len(groups)} modules",

@@ -14,6 +14,7 @@ from ..exl3.validate import CheckpointSummary, validate_checkpoint
 from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from ..integration.offload.options import OffloadOptions
 from ..placement import Ledger, save_plan
+from .inspect_cmd import nbytes
 
 DENSE_BYTES_PER_WEIGHT = 2  # this version runs dense EXL3 linears dequantized to fp16/bf16
 
@@ -37,16 +38,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int) -> int:
-    """Everything on each GPU besides routed-expert trellises: unquantized tensors, dense EXL3 linears as this
-    version runs them (dequantized), and every expert's suh/svh (they stay on the GPU). Split evenly over TP:
-    an estimate, since norms and routers are replicated."""
+    """Everything on each GPU besides routed-expert trellises: unquantized and delegated tensors (a mixed pack's
+    FP8 or BF16 layers) at their stored size, dense EXL3 linears as this version runs them (dequantized), and
+    every expert's suh/svh (they stay on the GPU). Split evenly over TP: an estimate, since norms and routers
+    are replicated."""
     expert_prefixes = {
         summary.layout.expert_prefix(layer, e, p)
         for layer in summary.layout.moe_layers for e in range(summary.layout.num_experts)
         for p in ("gate", "up", "down")
     }
     total = 0
-    for name, (shape, dtype) in ckpt.header_shapes().items():
+    shapes = ckpt.header_shapes()
+    for name, (shape, dtype) in shapes.items():
         prefix, suffix = split_name(name)
         if prefix in summary.linears:
             lin = summary.linears[prefix]
@@ -55,11 +58,17 @@ def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, t
             elif prefix in expert_prefixes and suffix in ("suh", "svh"):
                 total += 2 * shape[0]
             continue
-        count = 1
-        for dim in shape:
-            count *= dim
-        total += count * {"F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1}.get(dtype, 2)
+        total += nbytes(shapes, name)
     return total // tp
+
+
+def _layout_line(summary: CheckpointSummary) -> str:
+    """Which weights the plan places per expert and which are counted as non-expert weights."""
+    contract = summary.contract
+    if contract is None:
+        return "pack: exllamav3-native; routed experts placed per expert, other EXL3 linears counted dequantized"
+    return (f"pack: mixed; EXL3 routed experts placed per expert, non-routed linears ({contract.dense_method()}) "
+            f"counted as non-expert weights at their stored size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     )
     capacity = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
     print(f"plan for {args.model} (TP {args.tp}, per GPU), from {source}")
+    print(_layout_line(summary))
     print(ledger.format_table(capacity, args.margin))
     if capacity is not None:
         ledger.check_fits(capacity, args.margin)

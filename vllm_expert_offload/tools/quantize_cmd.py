@@ -27,13 +27,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--codebook", choices=[c.value for c in Codebook], default=Codebook.MUL1.value)
     parser.add_argument("--encoder", choices=ENCODERS, default="viterbi")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random sign flips (and random trellises)")
+    parser.add_argument(
+        "--routed-only", action="store_true",
+        help="write a mixed pack (docs/models.md): only routed experts in EXL3, every other tensor as stored, "
+        "declared non_routed_dtype_policy bf16_as_stored; --head-bits does not apply",
+    )
+    parser.add_argument(
+        "--layer-bits", type=_layer_bits, default={}, metavar="L=K[,L=K...]",
+        help="with --routed-only: K of the routed experts of layer L (MixedK); others get --bits",
+    )
     parser.set_defaults(handler=run)
+
+
+def _layer_bits(text: str) -> dict[int, float]:
+    try:
+        return {int(layer): float(k) for layer, k in (item.split("=") for item in text.split(",") if item)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER=K[,LAYER=K...], e.g. 3=3,13=3") from None
 
 
 def run(args: argparse.Namespace) -> int:
     out = convert_checkpoint(
         args.src, args.dst, bits=args.bits, head_bits=args.head_bits, codebook=Codebook(args.codebook),
-        encoder=args.encoder, seed=args.seed,
+        encoder=args.encoder, seed=args.seed, routed_only=args.routed_only, layer_bits=args.layer_bits,
     )
     print(f"wrote {out}")
     return 0

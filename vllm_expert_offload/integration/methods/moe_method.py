@@ -22,7 +22,7 @@ from ..startup.profiling import install_profile_flag, profiling, spread_routing
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 def _process_placement(quant_config, geometry: ExpertGeometry, top_k: int, device: torch.device) -> ProcessPlacement:
@@ -74,7 +74,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             raise Exl3FormatError(
                 f"{layer.layer_name}: EXL3 routed experts are supported for {list(SUPPORTED_ARCHITECTURES)} only"
             )
-        match = _LAYER_INDEX.search(layer.layer_name)
+        match = LAYER_INDEX.search(layer.layer_name)
         if match is None:
             raise Exl3FormatError(f"{layer.layer_name}: cannot tell which model layer this MoE block is")
         self.layer_index = int(match.group(1))

@@ -8,11 +8,12 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
+from ...exl3.contract import KEY, MixedContract
 from ...exl3.errors import Exl3FormatError
 from ...exl3.validate import CheckpointSummary
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
@@ -22,16 +23,58 @@ from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 QUANT_NAME = "exl3"
 
 
+def build_delegate(contract: MixedContract | None) -> QuantizationConfig | None:
+    """The config vLLM itself builds for `non_routed_quantization`: its own class from its own registry, from the
+    same parameters, so every delegated layer gets exactly the method vLLM would give it."""
+    if contract is None or contract.non_routed_quantization is None:
+        return None
+    method = contract.delegate_method
+    params = {**contract.non_routed_quantization, "quant_method": method}
+    try:
+        return get_quantization_config(method).from_config(params)
+    except Exception as exc:  # vLLM's configs raise ValueError, KeyError or their own types on bad parameters
+        raise ValueError(
+            f"EXL3 checkpoint refused: {KEY}.non_routed_quantization: vLLM's {method!r} config refuses {params} ({exc})"
+        ) from exc
+
+
 @register_quantization_config(QUANT_NAME)
 class Exl3Config(QuantizationConfig):
     """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
     validated in `maybe_update_config`, before any layer is constructed."""
 
     def __init__(self, quant: Exl3QuantConfig) -> None:
+        self.delegate = build_delegate(quant.contract)  # before super().__init__, which sets packed_modules_mapping
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
         self.kernels: KernelChoice | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        """Global attributes of the delegate that models read from the quant config (`weight_block_size`,
+        `activation_scheme`, ...) are visible through ours. Only reached when normal lookup fails."""
+        delegate = self.__dict__.get("delegate")
+        if delegate is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(delegate, name)
+
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        return self.__dict__["_packed_modules_mapping"]
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, mapping: dict[str, list[str]]) -> None:
+        """vLLM assigns (model_loader.utils.configure_quant_config) or updates in place (SupportsQuant.__new__) the
+        model's fused-module map after building the config (checked against vLLM 0.32.0 and 0.33.0); the delegate
+        shares the same dict, as it would if vLLM had built it as the model's config."""
+        self.__dict__["_packed_modules_mapping"] = mapping
+        if self.__dict__.get("delegate") is not None:
+            self.delegate.packed_modules_mapping = mapping
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        super().apply_vllm_mapper(hf_to_vllm_mapper)
+        if self.delegate is not None:
+            self.delegate.apply_vllm_mapper(hf_to_vllm_mapper)
 
     def __repr__(self) -> str:
         return f"Exl3Config(bits={self.quant.bits}, head_bits={self.quant.head_bits}, codebook={self.quant.codebook})"
@@ -69,6 +112,8 @@ class Exl3Config(QuantizationConfig):
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+        if self.delegate is not None:
+            self.delegate.maybe_update_config(model_name, hf_config, revision)
 
     def kernel_choice(self, device: torch.device) -> KernelChoice:
         """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
@@ -105,13 +150,20 @@ class Exl3Config(QuantizationConfig):
         return all(present)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """EXL3 for routed experts and for every linear stored in EXL3 (validation made those agree with a mixed
+        pack's declaration); a mixed pack's other layers get what its contract says."""
         from .linear_method import Exl3LinearMethod
-        from .moe_method import Exl3MoEMethod
+        from .moe_method import LAYER_INDEX, Exl3MoEMethod
 
+        contract = self.quant.contract
         if isinstance(layer, RoutedExperts):
+            match = LAYER_INDEX.search(prefix)
+            if contract is not None and match and contract.source_experts(int(match.group(1))):
+                return self.delegate.get_quant_method(layer, prefix)
             return Exl3MoEMethod(layer.moe_config, self)
-        if isinstance(layer, (LinearBase, ParallelLMHead)):
-            if self.is_quantized(prefix):
-                return Exl3LinearMethod(self, prefix)
-            return UnquantizedLinearMethod()
-        return None
+        is_linear = isinstance(layer, (LinearBase, ParallelLMHead))
+        if is_linear and self.is_quantized(prefix):
+            return Exl3LinearMethod(self, prefix)
+        if contract is not None and contract.delegates_dense:
+            return self.delegate.get_quant_method(layer, prefix)
+        return UnquantizedLinearMethod() if is_linear else None
