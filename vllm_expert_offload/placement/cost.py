@@ -8,6 +8,9 @@ Model (batch 1 decode, one token, one MoE layer l):
               = t_gpu + t_host       otherwise (host reads serialized after the GPU work)
     t_token   = sum over MoE layers of t(l)
 
+A decode step of c concurrent streams reads each distinct selected expert once (`batch_read_probability`): expert e
+with per-token selection probability p_e is read with probability 1 - (1 - p_e)^c, tokens routing independently.
+
 Every selected expert is read once per token (weights dominate at batch 1); compute, launch overhead, attention KV
 reads, the LM head and sampling are left out, so absolute numbers are lower bounds on time per token. With expected
 (count-derived) bytes instead of per-token bytes, the `max` form is a lower bound of the per-token mean (Jensen).
@@ -54,6 +57,18 @@ class DecodeCostModel:
         return np.divide(counts, tokens, out=np.zeros_like(counts), where=tokens > 0)
 
 
+def batch_read_probability(selections_per_token: np.ndarray, concurrency: int) -> np.ndarray:
+    """Probability that a decode step of `concurrency` streams reads each expert, [layers, experts].
+
+    Experts shared between the streams of a batch are read once, so routed traffic grows slower than the batch;
+    tokens are assumed to route independently (the same shape as `selections_per_token`, values in [0, 1]).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    p = np.clip(np.asarray(selections_per_token, dtype=np.float64), 0.0, 1.0)
+    return 1.0 - (1.0 - p) ** concurrency
+
+
 def expected_layer_bytes(
     host_fraction: np.ndarray, expert_bytes: np.ndarray, selections_per_token: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -79,3 +94,34 @@ def trace_layer_bytes(
         host[:, layer] = host_bytes[layer][ids].sum(axis=1)
         gpu[:, layer] = nbytes[layer][ids].sum(axis=1) - host[:, layer]
     return gpu, host
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """Bytes and time of one decode step of `concurrency` streams under a `DecodeCostModel` (per GPU)."""
+
+    concurrency: int
+    distinct_experts_per_layer: float  # mean over MoE layers of experts read once per step
+    gpu_bytes: float  # routed bytes read from the GPU tier per step, all layers
+    host_bytes: float  # routed bytes read over the link per step, all layers
+    step_s: float
+
+    @property
+    def per_stream_tok_s(self) -> float:
+        return 1.0 / self.step_s
+
+    @property
+    def aggregate_tok_s(self) -> float:
+        return self.concurrency / self.step_s
+
+
+def step_bound(
+    model: DecodeCostModel, gpu_mask: np.ndarray, expert_bytes: np.ndarray, selections_per_token: np.ndarray,
+    concurrency: int,
+) -> StepBound:
+    """The model's step time for `concurrency` streams: the distinct experts a step reads, split by the plan."""
+    reads = batch_read_probability(selections_per_token, concurrency)
+    host_fraction = 1.0 - np.asarray(gpu_mask, dtype=np.float64)
+    gpu, host = expected_layer_bytes(host_fraction, expert_bytes, reads)
+    step_s = float(np.sum(model.layer_seconds(gpu, host)))
+    return StepBound(concurrency, float(reads.sum(axis=1).mean()), float(gpu.sum()), float(host.sum()), step_s)

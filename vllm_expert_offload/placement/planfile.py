@@ -126,12 +126,19 @@ def save_plan(
 
 def load_plan(path: str | Path, expected: ModelIdentity) -> np.ndarray:
     """The GPU mask stored at `path`, refused (ValueError naming the field) unless it was made for `expected`."""
+    plan, identity = read_plan(path)
+    difference = identity.first_difference(expected)
+    if difference:
+        raise ValueError(f"plan file {path} was made for another model: {difference}")
+    return plan
+
+
+def read_plan(path: str | Path) -> tuple[np.ndarray, ModelIdentity]:
+    """The GPU mask stored at `path` and the identity it records, for tools that work without the model."""
     where = f"plan file {path}"
     doc = read_versioned_json(path, where, PLAN_FORMAT, PLAN_VERSION)
-    difference = ModelIdentity.from_json(doc.get("model"), where).first_difference(expected)
-    if difference:
-        raise ValueError(f"{where} was made for another model: {difference}")
-    return _gpu_mask(doc.get("gpu_experts"), expected, where)
+    identity = ModelIdentity.from_json(doc.get("model"), where)
+    return _gpu_mask(doc.get("gpu_experts"), identity, where), identity
 
 
 def _gpu_mask(entries: object, identity: ModelIdentity, where: str) -> np.ndarray:
