@@ -25,10 +25,9 @@ def plan(tmp_path):
     return path
 
 
-def simulate(tmp_path, plan, *extra: str) -> list[dict]:
+def simulate(tmp_path, plan, *extra: str, sizes: tuple[str, str] = ("--expert-bytes", "100")) -> list[dict]:
     out = tmp_path / "sim.json"
-    assert main(["simulate", "--plan", str(plan), "--expert-bytes", "100", "--top-k", "2", *LINK,
-                 "--json", str(out), *extra]) == 0
+    assert main(["simulate", "--plan", str(plan), *sizes, "--top-k", "2", *LINK, "--json", str(out), *extra]) == 0
     return json.loads(out.read_text())["concurrency"]
 
 
@@ -77,3 +76,15 @@ def test_gpu_check_supplies_the_largest_read_bandwidths(tmp_path, plan, capsys):
 def test_sizes_other_than_the_plans_are_refused(tmp_path, plan, capsys):
     assert main(["simulate", "--plan", str(plan), "--expert-bytes", "99", "--top-k", "2"]) == 2
     assert "expert_bytes_sha256" in capsys.readouterr().err
+
+
+def test_model_gives_the_sizes_a_checkpoints_plan_was_made_for(tmp_path, capsys):
+    """A plan from `plan --model` checks against the checkpoint's own sizes: every expert of the tiny Qwen3-MoE is
+    3 projections x 128 x 256 weights x 3 bits / 8 = 36,864 trellis bytes, so both ways give the same bound."""
+    from vllm_expert_offload.testing.tiny_models import build_tiny_model
+
+    model, plan = build_tiny_model(None, "qwen3_moe"), tmp_path / "plan.json"
+    assert main(["plan", "--model", str(model), "--host-fraction", "0.5", "--out", str(plan)]) == 0
+    by_model = simulate(tmp_path, plan, "--concurrency", "1,4", sizes=("--model", str(model)))
+    assert simulate(tmp_path, plan, "--concurrency", "1,4", sizes=("--expert-bytes", "36864")) == by_model
+    assert by_model[0]["host_bytes"] == pytest.approx(by_model[0]["gpu_bytes"])  # half of each layer on host

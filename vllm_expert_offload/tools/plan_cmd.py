@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from ..exl3.checkpoint import Exl3Checkpoint, split_name
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
 from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from ..integration.offload.options import OffloadOptions
-from ..placement import Ledger, save_plan
+from ..placement import Ledger, ModelIdentity, save_plan
 from .inspect_cmd import nbytes
 
 DENSE_BYTES_PER_WEIGHT = 2  # this version runs dense EXL3 linears dequantized to fp16/bf16
@@ -71,19 +73,27 @@ def _layout_line(summary: CheckpointSummary) -> str:
             f"counted as non-expert weights at their stored size")
 
 
-def run(args: argparse.Namespace) -> int:
-    ckpt = Exl3Checkpoint.open(args.model)
+def expert_sizes(ckpt: Exl3Checkpoint, tp: int) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
+    """The checkpoint's summary, per-rank bytes of each routed expert [moe layers, experts] and the identity a
+    plan records for them; ValueError when there is nothing to place or `tp` does not split the experts."""
     summary = validate_checkpoint(ckpt)
     if summary.layout is None:
-        print(f"error: {args.model}: no routed experts of a supported architecture to place")
-        return 2
+        raise ValueError(f"{ckpt.path}: no routed experts of a supported architecture to place")
     layout = summary.layout
-    if layout.intermediate_size % args.tp:
-        print(f"error: --tp {args.tp} does not divide the expert intermediate size {layout.intermediate_size}")
-        return 2
-    geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // args.tp, 0, args.tp)
+    if layout.intermediate_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the expert intermediate size {layout.intermediate_size}")
+    geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // tp, 0, tp)
     sizes = record_bytes_matrix(summary, geometry)
-    identity = model_identity(summary, args.tp, sizes)
+    return summary, sizes, model_identity(summary, tp, sizes)
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = Exl3Checkpoint.open(args.model)
+    try:
+        summary, sizes, identity = expert_sizes(ckpt, args.tp)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
     options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
     plan, source = make_plan(options, sizes, identity)
     ledger = Ledger.from_plan(

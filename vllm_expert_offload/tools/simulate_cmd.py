@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..exl3.checkpoint import Exl3Checkpoint
 from ..placement import DecodeCostModel, ModelIdentity, RoutingCounts, StepBound, read_plan, step_bound
 from ..placement.planfile import expert_bytes_checksum
+from .plan_cmd import expert_sizes
 
 GB = 1e9
 
@@ -27,8 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("--plan", required=True, type=Path, help="plan file (from `plan`)")
-    parser.add_argument("--expert-bytes", required=True, type=int,
-                        help="bytes of one routed expert per GPU; checked against the plan's checksum")
+    sizes = parser.add_mutually_exclusive_group(required=True)
+    sizes.add_argument("--model", type=Path, help="EXL3 checkpoint the plan was made for (expert sizes from it)")
+    sizes.add_argument("--expert-bytes", type=int,
+                       help="bytes of every routed expert per GPU, without the model; checked against the plan")
     parser.add_argument("--top-k", required=True, type=int, help="experts each token selects per layer")
     parser.add_argument("--stats", type=Path, help="routing statistics; without them routing is uniform")
     parser.add_argument("--pcie-gbs", type=float, help="host link read bandwidth, GB/s (default 25)")
@@ -62,12 +66,18 @@ def _largest_read(limits: dict, key: str) -> float:
         raise ValueError(f"gpu-check file lacks a usable {key!r} ({{'<n>KiB': GB/s}}): {exc!r}") from None
 
 
-def uniform_sizes(identity: ModelIdentity, expert_bytes: int) -> np.ndarray:
-    """[moe layers, experts] sizes, refused unless they match the checksum the plan recorded."""
+def plan_sizes(identity: ModelIdentity, model: Path | None, expert_bytes: int | None) -> np.ndarray:
+    """[moe layers, experts] per-GPU sizes from the checkpoint or one uniform size; a plan records only their
+    checksum, so sizes that do not match it are refused."""
+    if model is not None:
+        _, sizes, checkpoint_identity = expert_sizes(Exl3Checkpoint.open(model), identity.tp_size)
+        if (difference := identity.first_difference(checkpoint_identity)) is not None:
+            raise ValueError(f"the plan was made for another model than {model}: {difference}")
+        return sizes
     sizes = np.full((len(identity.moe_layers), identity.num_experts), expert_bytes, dtype=np.int64)
     if expert_bytes_checksum(sizes) != identity.expert_bytes_sha256:
         raise ValueError(f"the plan was made for other expert sizes than {expert_bytes} bytes each "
-                         "(expert_bytes_sha256 differs): pass the per-GPU size `plan` used")
+                         "(expert_bytes_sha256 differs): pass --model, or the per-GPU size `plan` used")
     return sizes
 
 
@@ -93,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         plan, identity = read_plan(args.plan)
         link, hbm = bandwidths(args.pcie_gbs, args.hbm_gbs, args.gpu_check)
         model = DecodeCostModel(args.top_k, link, hbm, args.dense_bytes_per_layer, overlap=not args.serial)
-        sizes = uniform_sizes(identity, args.expert_bytes)
+        sizes = plan_sizes(identity, args.model, args.expert_bytes)
         probabilities = selections_per_token(identity, model, args.stats)
         bounds = [step_bound(model, plan, sizes, probabilities, int(c)) for c in args.concurrency.split(",")]
     except ValueError as exc:
