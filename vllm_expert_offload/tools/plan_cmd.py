@@ -18,7 +18,7 @@ from ..integration.offload.options import OffloadOptions
 from ..placement import Ledger, ModelIdentity, save_plan
 from .inspect_cmd import nbytes
 
-DENSE_BYTES_PER_WEIGHT = 2  # this version runs dense EXL3 linears dequantized to fp16/bf16
+DEQUANTIZED_BYTES_PER_WEIGHT = 2  # fp16/bf16, for expert_offload.dequantize_linears
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,15 +35,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="KV cache per GPU, for the ledger")
     parser.add_argument("--gpu-memory-gib", type=float, help="GPU capacity; refuses a plan that does not fit")
     parser.add_argument("--margin", type=float, default=0.03, help="share of GPU memory kept free (default 0.03)")
+    parser.add_argument("--dequantize-linears", action="store_true",
+                        help="count dense EXL3 linears decoded to fp16, as serving with expert_offload."
+                             "dequantize_linears holds them (default: their quantized size, as the GPU kernels read them)")
     parser.add_argument("--out", required=True, type=Path, help="plan file to write")
     parser.set_defaults(handler=run)
 
 
-def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int) -> int:
+def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int, dequantized: bool) -> int:
     """Everything on each GPU besides routed-expert trellises: unquantized and delegated tensors (a mixed pack's
-    FP8 or BF16 layers) at their stored size, dense EXL3 linears as this version runs them (dequantized), and
-    every expert's suh/svh (they stay on the GPU). Split evenly over TP: an estimate, since norms and routers
-    are replicated."""
+    FP8 or BF16 layers) at their stored size, dense EXL3 linears as serving holds them (quantized, as the GPU
+    kernels read them, or decoded to fp16 under dequantize_linears), and every expert's suh/svh (they stay on
+    the GPU). Split evenly over TP: an estimate, since norms and routers are replicated."""
     expert_prefixes = {
         summary.layout.expert_prefix(layer, e, p)
         for layer in summary.layout.moe_layers for e in range(summary.layout.num_experts)
@@ -55,20 +58,24 @@ def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, t
         prefix, suffix = split_name(name)
         if prefix in summary.linears:
             lin = summary.linears[prefix]
-            if prefix not in expert_prefixes and suffix == "trellis":
-                total += lin.in_features * lin.out_features * DENSE_BYTES_PER_WEIGHT
-            elif prefix in expert_prefixes and suffix in ("suh", "svh"):
+            if prefix not in expert_prefixes:
+                if not dequantized:
+                    total += nbytes(shapes, name)
+                elif suffix == "trellis":
+                    total += lin.in_features * lin.out_features * DEQUANTIZED_BYTES_PER_WEIGHT
+            elif suffix in ("suh", "svh"):
                 total += 2 * shape[0]
             continue
         total += nbytes(shapes, name)
     return total // tp
 
 
-def _layout_line(summary: CheckpointSummary) -> str:
+def _layout_line(summary: CheckpointSummary, dequantized: bool) -> str:
     """Which weights the plan places per expert and which are counted as non-expert weights."""
     contract = summary.contract
     if contract is None:
-        return "pack: exllamav3-native; routed experts placed per expert, other EXL3 linears counted dequantized"
+        how = "decoded to fp16 (dequantize_linears)" if dequantized else "at their quantized size"
+        return f"pack: exllamav3-native; routed experts placed per expert, other EXL3 linears counted {how}"
     return (f"pack: mixed; EXL3 routed experts placed per expert, non-routed linears ({contract.dense_method()}) "
             f"counted as non-expert weights at their stored size")
 
@@ -97,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
     options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
     plan, source = make_plan(options, sizes, identity)
     ledger = Ledger.from_plan(
-        plan, sizes, non_expert_bytes=_non_expert_device_bytes(ckpt, summary, args.tp),
+        plan, sizes, non_expert_bytes=_non_expert_device_bytes(ckpt, summary, args.tp, args.dequantize_linears),
         kv_cache_bytes=int(args.kv_cache_gib * GIB),
     )
     capacity = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
     print(f"plan for {args.model} (TP {args.tp}, per GPU), from {source}")
-    print(_layout_line(summary))
+    print(_layout_line(summary, args.dequantize_linears))
     print(ledger.format_table(capacity, args.margin))
     if capacity is not None:
         ledger.check_fits(capacity, args.margin)
