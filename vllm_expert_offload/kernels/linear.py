@@ -40,8 +40,6 @@ class LinearShard:
 
 
 class DequantizedLinear:
-    name = "dequantized"
-
     def __init__(self, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device) -> None:
         weights = []
         for s in shards:

@@ -56,10 +56,3 @@ def matrix_table(
 def own_addresses(layers: Sequence[Exl3Linear]) -> list[int]:
     """Each trellis's own data_ptr: for tensors already where the kernel runs (VRAM, or the CPU interpreter)."""
     return [layer.trellis.data_ptr() for layer in layers]
-
-
-
-def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """What the kernels multiply in: fp16 tensor-core products for half-precision models (bf16 activations
-    are rotated, then rounded to fp16, as exllamav3 does); exact fp32 products for fp32 models."""
-    return torch.float16 if dtype in (torch.float16, torch.bfloat16) else torch.float32

@@ -98,7 +98,7 @@ class RotatedMoE:
         ids = topk_ids.reshape(-1)
         route = topk_weights.reshape(-1, 1).float()
         padded = self.tables["gate"].in_features
-        slots = torch.nn.functional.pad(x.float(), (0, padded - x.shape[1])).repeat_interleave(top_k, dim=0)
+        slots = F.pad(x.float(), (0, padded - x.shape[1])).repeat_interleave(top_k, dim=0)
         if apply_router_weight_on_input:
             slots = slots * route
         if tokens <= self.backend.per_slot_max_tokens:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .matrix_table import MatrixTable, dot_dtype_for
+from .matrix_table import MatrixTable
 from .rotated import MatmulBackend
 
 
@@ -141,6 +141,11 @@ def launch_exl3_matmul(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
 
+
+def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """What the Triton kernel multiplies in: fp16 tensor-core products for half-precision models (bf16
+    activations are rotated, then rounded to fp16, as exllamav3 does); exact fp32 products for fp32 models."""
+    return torch.float16 if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
 TRITON_MATMUL = MatmulBackend("triton", launch_exl3_matmul, block_m=BLOCK_M, per_slot_max_tokens=8,
