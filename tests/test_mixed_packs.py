@@ -161,12 +161,12 @@ HEADER_REFUSALS = {
     "unchecked delegate": (
         {"quant": lambda q: (q.pop("non_routed_dtype_policy"), q.update(non_routed_quantization={"quant_method": "awq"}))},
         "quantization_config.non_routed_quantization.quant_method: 'awq'"),
-    "DeepSeek-V4": (
-        {"config": lambda c: c.update(architectures=["DeepseekV4ForCausalLM"])},
-        "DeepseekV4ForCausalLM: DeepSeek-V4 weights are not supported yet"),
+    "DeepSeek-V4 vision-language wrapper": (
+        {"config": lambda c: c.update(architectures=["DeepseekV4ForConditionalGeneration"])},
+        "DeepseekV4ForConditionalGeneration: the DeepSeek-V4 vision-language wrapper is not served"),
     "DeepSeek-V4.1": (
         {"config": lambda c: c.update(architectures=["DeepseekV41ForCausalLM"])},
-        "DeepseekV41ForCausalLM: DeepSeek-V4 weights are not supported yet"),
+        "DeepseekV41ForCausalLM: DeepSeek-V4.1 is not served: exllamav3 1.6.5 defines no V4.1 architecture"),
 }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
-from .convert import HEAD, LINEAR_LEAVES
+from .convert import HEADS, LINEAR_LEAVES
 from .errors import Exl3FormatError
 from .naming import MoeLayout
 from .tensors import Exl3Linear
@@ -27,11 +27,16 @@ VLLM_FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
-# Architectures whose packs are parsed and checked for the contract but not served yet, with the reason.
+# Architectures whose packs are parsed and checked for the contract but not served, with the reason.
 NOT_SERVED = {
-    "DeepseekV4ForCausalLM": "DeepSeek-V4 weights are not supported yet",
-    "DeepseekV4ForConditionalGeneration": "DeepSeek-V4 weights are not supported yet",
-    "DeepseekV41ForCausalLM": "DeepSeek-V4 weights are not supported yet (DeepSeek-V4.1 naming included)",
+    "DeepseekV4ForConditionalGeneration": (
+        "the DeepSeek-V4 vision-language wrapper is not served (its `language_model.` tensors and vision tower have "
+        "no EXL3 layout in exllamav3 1.6.5); serve the text model as DeepseekV4ForCausalLM"
+    ),
+    "DeepseekV41ForCausalLM": (
+        "DeepSeek-V4.1 is not served: exllamav3 1.6.5 defines no V4.1 architecture, so there is no EXL3 layout to "
+        "check its engram and vision tensors against (DeepSeek-V4, DeepseekV4ForCausalLM, is served)"
+    ),
 }
 
 
@@ -164,7 +169,7 @@ class _Checker:
                     raise Exl3FormatError(f"{prefix}.weight: a routed expert stored as {dtype}; the contract keeps "
                                           f"routed experts in EXL3 (only mtp_experts 'source' layers are not)")
                 self._expect_delegate(prefix)
-            elif prefix == HEAD:
+            elif prefix in HEADS:
                 roles[prefix] = self._expect_float(prefix, "vLLM's lm_head (no delegate quantizes it)")
             elif self.contract.delegates_dense:
                 roles[prefix] = self._expect_delegate(prefix)
@@ -195,7 +200,7 @@ def check_contract(
     plain = [
         prefix for prefix, suffix in map(split_name, shapes)
         if suffix == "weight" and prefix not in linears
-        and (prefix == HEAD or prefix.rpartition(".")[2] in LINEAR_LEAVES)
+        and (prefix in HEADS or prefix.rpartition(".")[2] in LINEAR_LEAVES)
     ]
     roles = checker.check_source(plain)
     declared = dense_exl3_shards(contract)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from functools import partial
@@ -28,6 +29,7 @@ from .checkpoint import Exl3Checkpoint, split_name
 from .codebook import Codebook, codebook_table
 from .config import UNQUANTIZED_HEAD_BITS, quant_config_dict
 from .contract import BF16_AS_STORED
+from . import deepseek_v4 as dsv4
 from .decode import dequantize
 from .errors import Exl3FormatError
 from .naming import SUPPORTED_ARCHITECTURES, moe_layout
@@ -39,18 +41,23 @@ DEFAULT_HEAD_BITS = 6  # exllamav3's default
 WEIGHTS_FILE = "model.safetensors"
 HEAD = "lm_head"
 EMBEDDING = "model.embed_tokens"
+HEADS = (HEAD, dsv4.HEAD)  # the output head's module name: HF naming, DeepSeek-V4's native naming
 # Module names (last path component) of the linears exllamav3 gives a qmap, for every supported architecture.
 LINEAR_LEAVES = frozenset(
     {
         "q_proj", "k_proj", "v_proj", "o_proj",  # attention
         "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # DeepSeek MLA
         "gate_proj", "up_proj", "down_proj",  # dense MLP, shared and routed experts
-        "w1", "w2", "w3",  # Mixtral experts (gate, down, up)
+        "w1", "w2", "w3",  # Mixtral and DeepSeek-V4 experts (gate, down, up)
+        "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj",  # DeepSeek-V4 attention, compressors
     }
 )
 # Unquantized tensors are stored as fp16, except these: DeepSeek's routing bias must keep its resolution
 # (exllamav3 loads it in checkpoint precision; fp16 steps would swamp the gaps between expert scores).
-FULL_PRECISION_SUFFIXES = ("e_score_correction_bias",)
+# DeepSeek-V4's routing bias (`gate.bias`), attention sinks, compressor position biases (`ape`) and the
+# hyper-connection mixers (`hc_*`, fp32 in its release) likewise.
+FULL_PRECISION_SUFFIXES = ("e_score_correction_bias", "gate.bias", "attn_sink", ".ape")
+FULL_PRECISION_NAMES = re.compile(r"(^|\.)hc_")
 # Files a model directory needs besides weights and config.json.
 SIDE_FILES = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
@@ -76,8 +83,10 @@ def is_quantized_linear(name: str, hf_config: Mapping[str, Any], head_bits: floa
     prefix, suffix = split_name(name)
     if suffix != "weight":
         return False
-    if prefix == HEAD:
+    if prefix in HEADS:
         return _head_bits(hf_config, head_bits) != UNQUANTIZED_HEAD_BITS
+    if dsv4.is_deepseek_v4(hf_config):
+        return dsv4.is_exl3_linear(prefix)
     return prefix.rpartition(".")[2] in LINEAR_LEAVES
 
 
@@ -120,6 +129,8 @@ def linear_shape(prefix: str, hf_config: Mapping[str, Any]) -> tuple[int, int]:
 
     The EXL3 tensors only record the padded shape; this is what crops them back.
     """
+    if dsv4.is_deepseek_v4(hf_config):
+        return dsv4.linear_shape(prefix, hf_config)
     hidden = int(hf_config["hidden_size"])
     if prefix == HEAD:
         return int(hf_config["vocab_size"]), hidden
@@ -188,7 +199,8 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
 
 
 class _SourceTensors:
-    """Name -> tensor over every *.safetensors file of a directory, read one tensor at a time."""
+    """Name -> tensor over every *.safetensors file of a directory, read one tensor at a time; `rows` views
+    (output name -> (source name, first row, end row)) read part of a source tensor under another name."""
 
     def __init__(self, model_dir: Path) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -202,10 +214,15 @@ class _SourceTensors:
             except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
                 raise Exl3FormatError(f"{file}: cannot read safetensors header ({exc})") from exc
 
+        self.rows: dict[str, tuple[str, int, int]] = {}
+
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or name in self.rows
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.rows:
+            source, start, end = self.rows[name]
+            return self[source][start:end]
         try:
             with safe_open(self.files[name], framework="pt") as f:
                 return f.get_tensor(name)
@@ -216,15 +233,37 @@ class _SourceTensors:
 def _unquantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not tensor.is_floating_point():
         return tensor.contiguous()
-    return tensor.to(torch.float32 if name.endswith(FULL_PRECISION_SUFFIXES) else dtype).contiguous()
+    full = name.endswith(FULL_PRECISION_SUFFIXES) or FULL_PRECISION_NAMES.search(name) is not None
+    return tensor.to(torch.float32 if full else dtype).contiguous()
 
 
-def _output_names(source: _SourceTensors) -> dict[str, str]:
+def _dsv4_output_names(source: _SourceTensors, hf_config: Mapping[str, Any], split_wo_a: bool) -> dict[str, str]:
+    """exllamav3's DeepSeek-V4 names for a native or transformers-saved checkpoint; with `split_wo_a` (it is
+    quantized) each `wo_a` becomes its o_groups row slices `wo_a.slice.{g}` (views registered on `source`)."""
+    names = {dsv4.source_name(name): name for name in source.files}
+    if not split_wo_a:
+        return names
+    groups, rows = dsv4.wo_a_slices(hf_config)
+    for name in [n for n in names if n.endswith(".attn.wo_a.weight")]:
+        original = names.pop(name)
+        attn = name.removesuffix(".wo_a.weight")
+        for g in range(groups):
+            view = f"{attn}.wo_a.slice.{g}.weight"
+            source.rows[view] = (original, g * rows, (g + 1) * rows)
+            names[view] = view
+    return names
+
+
+def _output_names(source: _SourceTensors, hf_config: Mapping[str, Any], routed_only: bool) -> dict[str, str]:
     """Output tensor name -> source tensor name; exllamav3 always writes an lm_head, a tied one from the embedding."""
-    names = {name: name for name in source.files}
-    head, embedding = f"{HEAD}.weight", f"{EMBEDDING}.weight"
-    if head not in source and embedding in source:
-        names[head] = embedding
+    if dsv4.is_deepseek_v4(hf_config):
+        names = _dsv4_output_names(source, hf_config, split_wo_a=not routed_only)
+        head, embedding = f"{dsv4.HEAD}.weight", f"{dsv4.EMBEDDING}.weight"
+    else:
+        names = {name: name for name in source.files}
+        head, embedding = f"{HEAD}.weight", f"{EMBEDDING}.weight"
+    if head not in names and embedding in names:
+        names[head] = names[embedding]
     return names
 
 
@@ -316,7 +355,7 @@ def convert_checkpoint(
     _check_output(dst, src)
 
     encode = partial(_encode_viterbi, show_progress=progress) if encoder == "viterbi" else encode_random
-    names = _output_names(source)
+    names = _output_names(source, hf_config, routed_only)
     targets = [name for name in names if is_quantized_linear(name, hf_config, head_bits)]
     if routed_only:
         targets = [name for name in targets if layout.expert_layer(split_name(name)[0]) is not None]
@@ -331,7 +370,7 @@ def convert_checkpoint(
             raise Exl3FormatError(f"{names[name]}: shape {tuple(weight.shape)}, but config.json implies {expected}")
         bias_name = f"{prefix}.bias"
         expert_layer = layout.expert_layer(prefix)
-        k = head_bits if prefix == HEAD else layer_bits.get(expert_layer, bits)
+        k = head_bits if prefix in HEADS else layer_bits.get(expert_layer, bits)
         layer = encode(
             weight, k, codebook, name=prefix,
             bias=source[bias_name] if bias_name in source else None, seed=seed,
@@ -345,7 +384,7 @@ def convert_checkpoint(
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, dst / WEIGHTS_FILE, metadata={"format": "pt"})
 
-    body = [layer for prefix, layer in layers.items() if prefix != HEAD]
+    body = [layer for prefix, layer in layers.items() if prefix not in HEADS]
     stored = sum(layer.in_features * layer.out_features for layer in body)
     average = sum(layer.k * layer.in_features * layer.out_features for layer in body) / stored if stored else bits
     quant = quant_config_dict(bits if routed_only else average, head_bits, codebook, EXL3_FORMAT_VERSION)
@@ -371,6 +410,18 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
     return weight.float() * scale
 
 
+def _join_wo_a_slices(out: dict[str, torch.Tensor]) -> None:
+    """DeepSeek-V4's decoded `wo_a.slice.{g}` back into the one `wo_a.weight` the model declares."""
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in out if dsv4.WO_A_SLICE.match(split_name(n)[0])]:
+        match = dsv4.WO_A_SLICE.match(split_name(name)[0])
+        slices.setdefault(dsv4.dense_name(match.group(0)), {})[int(match.group("group"))] = out.pop(name)
+    for name, groups in slices.items():
+        if sorted(groups) != list(range(len(groups))):
+            raise Exl3FormatError(f"{name}: wo_a slices {sorted(groups)} are not 0..{len(groups) - 1}")
+        out[name] = torch.cat([groups[g] for g in range(len(groups))]).contiguous()
+
+
 def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Dequantize every EXL3 linear (and a mixed pack's block-FP8 linears) of `exl3_dir` into a plain HF checkpoint
     in `out_dir`, cropped to the model's true shapes, in `dtype` (the routing bias stays fp32). float32 keeps the
@@ -386,6 +437,8 @@ def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dty
         out[f"{prefix}.weight"] = dequantize(layer)[:out_features, :in_features].to(dtype).contiguous()
         if layer.bias is not None:
             out[f"{prefix}.bias"] = layer.bias[:out_features].to(dtype).contiguous()
+    if dsv4.is_deepseek_v4(ckpt.hf_config):
+        _join_wo_a_slices(out)
     grouped = {name for names in groups.values() for name in names.values()}
     for name in ckpt.tensor_files:
         prefix, suffix = split_name(name)

@@ -94,11 +94,26 @@ def _deepseek(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
     )
 
 
+def _deepseek_v4(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+    """exllamav3's DeepSeek-V4 names (exl3/deepseek_v4.py): every layer MoE with one shared expert block; the
+    draft layers (`mtp.N`) sit outside `layers.` and are the draft model's."""
+    layers = int(cfg["num_hidden_layers"])
+    inter = int(cfg["moe_intermediate_size"])
+    shared = int(cfg.get("n_shared_experts", 1) or 0)
+    return MoeLayout(
+        arch, int(cfg["hidden_size"]), layers, int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]),
+        inter, tuple(range(layers)), "layers.{layer}.ffn.experts", {"gate": "w1", "up": "w3", "down": "w2"},
+        shared_expert_root="layers.{layer}.ffn.shared_experts" if shared else None,
+        shared_intermediate_size=inter * shared if shared else None,
+    )
+
+
 _LAYOUTS = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "MixtralForCausalLM": _mixtral,
     "DeepseekV2ForCausalLM": _deepseek,
     "DeepseekV3ForCausalLM": _deepseek,
+    "DeepseekV4ForCausalLM": _deepseek_v4,
 }
 SUPPORTED_ARCHITECTURES = tuple(_LAYOUTS)
 

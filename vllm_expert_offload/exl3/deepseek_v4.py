@@ -1,0 +1,149 @@
+"""DeepSeek-V4 in exllamav3's layout: which linears are EXL3, their true shapes, and the names around them.
+
+Facts from exllamav3 1.6.5 (`architecture/deepseek_v4.py`, `modules/dsv4.py`): the checkpoint keeps DeepSeek's
+native names with no `model.` prefix (`embed`, `head`, `layers.L.attn.wq_a`, `layers.L.ffn.experts.E.w1`, ...);
+`wo_a` (o_groups x o_lora_rank rows) is stored as one EXL3 set per group, `attn.wo_a.slice.{g}`, rows
+g*o_lora_rank..(g+1)*o_lora_rank of the source `wo_a`; `indexer.weights_proj` stays unquantized; every other
+attention linear, the compressors, the indexer's `wq_b`, the routed and shared experts and `head` are EXL3.
+Unquantized padding is trimmed (`trim_padded_out`), so the true shapes below crop the padded trellis.
+
+transformers' `save_pretrained` writes nearly the same names under `model.` (`source_name` maps both spellings).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import Exl3FormatError
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+HEAD = "head"
+EMBEDDING = "embed"
+WO_A_SLICE = re.compile(r"^(?P<attn>.*\.attn)\.wo_a\.slice\.(?P<group>\d+)$")
+# Module suffixes (after `layers.L.attn.` / `layers.L.ffn.`) that exllamav3 stores as EXL3 sets.
+_ATTN_EXL3 = ("wq_a", "wq_b", "wkv", "wo_b", "compressor.wkv", "compressor.wgate", "indexer.wq_b",
+              "indexer.compressor.wkv", "indexer.compressor.wgate")
+_FFN_EXL3 = re.compile(r"^(experts\.\d+|shared_experts)\.w[123]$")
+_LAYER = re.compile(r"^(?:layers|mtp)\.(?P<layer>\d+)\.(?P<block>attn|ffn)\.(?P<rest>.+)$")
+# Linears vLLM's DeepSeek-V4 model reads `.weight` from directly, or builds without a quant config
+# (vLLM 0.32/0.33: compressor.py `fused_wkv_wgate` quant_config=None; attention.py `weights_proj`
+# quant_config=None; `_o_proj` reads `wo_a.weight` as a grouped bmm on every platform; `ParallelLMHead`
+# without a quant config). Their EXL3 sets are decoded once, at load.
+# Draft layers (`mtp.`) are not decoded: vLLM drops them unless a draft model is requested.
+_DENSE_AT_LOAD = re.compile(r"^(head|layers\.\d+\.attn\.((indexer\.)?compressor\.w(kv|gate)|indexer\.weights_proj"
+                            r"|wo_a\.slice\.\d+))$")
+
+
+def is_deepseek_v4(hf_config: Mapping[str, Any]) -> bool:
+    return ARCHITECTURE in (hf_config.get("architectures") or [])
+
+
+def source_name(name: str) -> str:
+    """exllamav3's (= DeepSeek's release) name for a tensor of a release or a transformers-saved checkpoint.
+
+    transformers 5.19's `save_pretrained` reverses its load-time renames (conversion_mapping.py, "deepseek_v4")
+    under `model.`, except three it cannot invert: the embedding stays `embed_tokens`, the head mixer stays
+    `hc_head.hc_{fn,base,scale}`, and the attention's `kv_norm` comes out as `attn.norm` (the forward rule
+    `.norm.` -> `.kv_norm.` also covers the compressors' `norm`)."""
+    name = name.removeprefix("model.")
+    name = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight"}.get(name, name)
+    name = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
+    return re.sub(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
+
+
+def compress_ratio(hf_config: Mapping[str, Any], layer: int) -> int:
+    """The layer's KV compression ratio (0 sliding window, 4 CSA with indexer, 128 HCA); draft (`mtp`) layers
+    follow the main stack in `compress_ratios`."""
+    ratios = hf_config.get("compress_ratios")
+    if ratios is None:
+        types = hf_config.get("layer_types")
+        if types is None:
+            raise Exl3FormatError("config.json: DeepSeek-V4 needs compress_ratios (or layer_types)")
+        rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        ratios = [rates[t] for t in types]
+    if layer >= len(ratios):
+        raise Exl3FormatError(f"config.json: compress_ratios has no entry for layer {layer}")
+    return int(ratios[layer])
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise Exl3FormatError(f"config.json: missing {key} (DeepSeek-V4)")
+    return int(value)
+
+
+def _attn_shape(rest: str, cfg: Mapping[str, Any], layer: int, is_draft: bool) -> tuple[int, int] | None:
+    hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+    head_dim, q_rank = _int(cfg, "head_dim", 512), _int(cfg, "q_lora_rank")
+    groups, o_rank = _int(cfg, "o_groups", 8), _int(cfg, "o_lora_rank", 1024)
+    index_heads, index_dim = _int(cfg, "index_n_heads", 64), _int(cfg, "index_head_dim", 128)
+    ratio = compress_ratio(cfg, layer + (_int(cfg, "num_hidden_layers") if is_draft else 0))
+    shapes = {
+        "wq_a": (q_rank, hidden), "wq_b": (heads * head_dim, q_rank), "wkv": (head_dim, hidden),
+        "wo_a": (groups * o_rank, heads * head_dim // groups), "wo_b": (hidden, groups * o_rank),
+    }
+    if ratio > 1:
+        width = (2 if ratio == 4 else 1) * head_dim
+        shapes |= {"compressor.wkv": (width, hidden), "compressor.wgate": (width, hidden)}
+    if ratio == 4:
+        shapes |= {
+            "indexer.wq_b": (index_heads * index_dim, q_rank), "indexer.weights_proj": (index_heads, hidden),
+            "indexer.compressor.wkv": (2 * index_dim, hidden), "indexer.compressor.wgate": (2 * index_dim, hidden),
+        }
+    match = re.fullmatch(r"wo_a\.slice\.(\d+)", rest)
+    if match:
+        if int(match.group(1)) >= groups:
+            return None
+        return o_rank, heads * head_dim // groups
+    return shapes.get(rest)
+
+
+def linear_shape(prefix: str, cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """(out_features, in_features) of a DeepSeek-V4 linear as the model declares it, from config.json."""
+    hidden = _int(cfg, "hidden_size")
+    if prefix == HEAD:
+        return _int(cfg, "vocab_size"), hidden
+    match = _LAYER.match(prefix)
+    shape = None
+    if match and match.group("block") == "attn":
+        shape = _attn_shape(match.group("rest"), cfg, int(match.group("layer")), prefix.startswith("mtp."))
+    elif match and _FFN_EXL3.match(match.group("rest")):
+        inter = _int(cfg, "moe_intermediate_size")
+        if match.group("rest").startswith("shared_experts"):
+            inter *= _int(cfg, "n_shared_experts", 1)
+        shape = (hidden, inter) if match.group("rest").endswith("w2") else (inter, hidden)
+    if shape is None:
+        raise Exl3FormatError(f"{prefix}: not a DeepSeek-V4 linear this model's config.json declares")
+    return shape
+
+
+def is_exl3_linear(prefix: str) -> bool:
+    """Whether exllamav3 stores module `prefix` (exllamav3 naming) as an EXL3 set; `wo_a` is stored in slices."""
+    if prefix == HEAD:
+        return True
+    match = _LAYER.match(prefix)
+    if match is None:
+        return False
+    rest = match.group("rest")
+    if match.group("block") == "attn":
+        return rest in _ATTN_EXL3 or re.fullmatch(r"wo_a\.slice\.\d+", rest) is not None
+    return _FFN_EXL3.match(rest) is not None
+
+
+def wo_a_slices(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """(o_groups, o_lora_rank): `wo_a` is split into o_groups slices of o_lora_rank rows."""
+    return _int(cfg, "o_groups", 8), _int(cfg, "o_lora_rank", 1024)
+
+
+def decoded_at_load(prefix: str) -> bool:
+    """EXL3 sets whose vLLM module needs a plain `.weight` (see _DENSE_AT_LOAD)."""
+    return _DENSE_AT_LOAD.search(prefix) is not None
+
+
+def dense_name(prefix: str) -> str:
+    """The plain tensor a decoded-at-load set becomes: the slices of `wo_a` become rows of one `wo_a.weight`."""
+    match = WO_A_SLICE.match(prefix)
+    return f"{match.group('attn')}.wo_a.weight" if match else f"{prefix}.weight"
