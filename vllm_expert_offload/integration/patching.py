@@ -32,7 +32,7 @@ def require_checked_version(hook: str, checked_on: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class Hook:
-    """Replace `module.name` by `wrap(original)`.
+    """Replace `module.name` by `wrap(original)`; a dotted `name` ("Class.method") wraps a class attribute.
 
     `loaded_only` hooks rebind a name that another module imported from the defining module: they act only if
     that module is already imported (a later import picks up the wrapper from the defining module itself),
@@ -65,7 +65,13 @@ class Hook:
                 return False
         else:
             module = importlib.import_module(self.module)
-        current = getattr(module, self.name, None)
+        owner_path, _, attr = self.name.rpartition(".")
+        owner = module
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part, None)
+            if owner is None:
+                raise HookError(f"{self.target} does not exist in this vLLM")
+        current = getattr(owner, attr, None)
         if current is None:
             raise HookError(f"{self.target} does not exist in this vLLM")
         if getattr(current, SENTINEL, False):
@@ -75,5 +81,5 @@ class Hook:
             raise HookError(f"{self.target} takes {params}; the hook was written for {self.params}")
         wrapper = self.wrap(current)
         setattr(wrapper, SENTINEL, True)
-        setattr(module, self.name, wrapper)
+        setattr(owner, attr, wrapper)
         return True

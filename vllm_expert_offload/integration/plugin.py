@@ -17,6 +17,10 @@ def register_plugin() -> None:
 
     if "exl3" not in QUANTIZATION_METHODS:
         from .methods import quant_config  # noqa: F401  (registers the `exl3` quantization method on import)
+    # DeepSeek-V4's EXL3 sets that vLLM reads as plain weights, decoded as the checkpoint streams in.
+    from .methods.decoded_at_load import install as install_decoded_at_load
+
+    install_decoded_at_load()
     # Startup fix: KV-cache block sizes each attention backend can use (kv_blocks.py; off with
     # VLLM_EXPERT_OFFLOAD_KV_FIX=0).
     from .kv.fix import install as install_kv_block_fix

@@ -151,7 +151,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
         self.kernel = build_moe_kernel(
-            self.kernels, experts, tables, scales, arena, crop, self.params_dtype, self.device
+            self.kernels, experts, tables, scales, arena, crop, self.params_dtype, self.device,
+            swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
         )
         del self.placed
 

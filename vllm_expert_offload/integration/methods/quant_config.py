@@ -38,6 +38,24 @@ def build_delegate(contract: MixedContract | None) -> QuantizationConfig | None:
         ) from exc
 
 
+def refuse_unservable(vllm_config) -> None:
+    """Configurations that route around the EXL3 methods: vLLM's MegaMoE backends build their own expert
+    modules (no quant method is asked), and EPLB moves experts between ranks behind the per-expert plan."""
+    from vllm.config.kernel import MEGA_MOE_BACKENDS
+
+    backend = vllm_config.kernel_config.moe_backend
+    if backend in MEGA_MOE_BACKENDS:
+        raise ValueError(
+            f"EXL3 checkpoint refused: --moe-backend {backend} (a MegaMoE kernel) bypasses quantization methods, "
+            "so EXL3 experts would never be loaded; use the default MoE backend"
+        )
+    if vllm_config.parallel_config.enable_eplb:
+        raise ValueError(
+            "EXL3 checkpoint refused: --enable-eplb moves experts between ranks, which the per-expert placement "
+            "plan does not follow; serve without EPLB"
+        )
+
+
 @register_quantization_config(QUANT_NAME)
 class Exl3Config(QuantizationConfig):
     """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
@@ -49,6 +67,9 @@ class Exl3Config(QuantizationConfig):
         self.quant = quant
         self.summary: CheckpointSummary | None = None
         self.kernels: KernelChoice | None = None
+        self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
+        self._checkpoint_names: dict[str, str] | None = None
+        self._served_checked = False
 
     def __getattr__(self, name: str) -> Any:
         """Global attributes of the delegate that models read from the quant config (`weight_block_size`,
@@ -72,9 +93,21 @@ class Exl3Config(QuantizationConfig):
             self.delegate.packed_modules_mapping = mapping
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """vLLM hands over the model's rename mapper (model_loader/utils.configure_quant_config, vLLM 0.32/0.33);
+        layers are built under vLLM's names, the checkpoint keeps its own (DeepSeek-V4 has no `model.` prefix)."""
         super().apply_vllm_mapper(hf_to_vllm_mapper)
+        self.vllm_mapper = hf_to_vllm_mapper
+        self._checkpoint_names = None
         if self.delegate is not None:
             self.delegate.apply_vllm_mapper(hf_to_vllm_mapper)
+
+    def checkpoint_prefix(self, vllm_prefix: str) -> str:
+        """The checkpoint's name of the module vLLM calls `vllm_prefix` (identical where the model maps no names)."""
+        if self._checkpoint_names is None:
+            prefixes = {p: p for p in self._summary().quantized_prefixes}
+            mapped = self.vllm_mapper.apply_dict(prefixes) if self.vllm_mapper is not None else prefixes
+            self._checkpoint_names = {vllm: ckpt for vllm, ckpt in mapped.items() if vllm != ckpt}
+        return self._checkpoint_names.get(vllm_prefix, vllm_prefix)
 
     def __repr__(self) -> str:
         return f"Exl3Config(bits={self.quant.bits}, head_bits={self.quant.head_bits}, codebook={self.quant.codebook})"
@@ -128,17 +161,19 @@ class Exl3Config(QuantizationConfig):
         """Checkpoint names of a vLLM module's shards: qkv_proj -> q_proj, k_proj, v_proj (EXL3 stores each
         shard as its own tensor set), from the model's packed_modules_mapping."""
         base, _, name = prefix.rpartition(".")
-        shards = self.packed_modules_mapping.get(name)
-        if not shards:
-            return [prefix]
-        return [f"{base}.{shard}" if base else shard for shard in shards]
+        shards = self.packed_modules_mapping.get(name) or [name]
+        return [self.checkpoint_prefix(f"{base}.{shard}" if base else shard) for shard in shards]
 
-    def is_quantized(self, prefix: str) -> bool:
+    def _summary(self) -> CheckpointSummary:
         if self.summary is None:
             raise RuntimeError(
                 "Exl3Config.maybe_update_config was not called before layers were built; "
                 "this vLLM version loads quantization configs differently from the verified ones"
             )
+        return self.summary
+
+    def is_quantized(self, prefix: str) -> bool:
+        self._summary()
         shards = self.shard_prefixes(prefix)
         present = [s in self.summary.quantized_prefixes for s in shards]
         if any(present) and not all(present):
@@ -156,6 +191,9 @@ class Exl3Config(QuantizationConfig):
         from .moe_method import LAYER_INDEX, Exl3MoEMethod
 
         contract = self.quant.contract
+        if not self._served_checked:
+            refuse_unservable(get_current_vllm_config())
+            self._served_checked = True
         if isinstance(layer, RoutedExperts):
             match = LAYER_INDEX.search(prefix)
             if contract is not None and match and contract.source_experts(int(match.group(1))):
