@@ -220,10 +220,10 @@ class _CoopScratch:
 
 
 @functools.cache
-def _moe_temps(device: torch.device, hidden: int, intermediate: int) -> tuple[torch.Tensor, ...]:
+def _moe_temps(ext: ModuleType, device: torch.device, hidden: int, intermediate: int) -> tuple[torch.Tensor, ...]:
     """exl3_moe's four temp buffers, shared by every layer of a shape on a device: scratch within one launch, and
     all launches of a device run in order on one stream."""
-    concurrency = int(call_ext(load_ext(), "exl3_moe_max_concurrency", device=device.index or 0))
+    concurrency = int(call_ext(ext, "exl3_moe_max_concurrency", device=device.index or 0))
     shapes = ((hidden,), (hidden,), (intermediate,), (intermediate,))
     return tuple(torch.empty(concurrency, MOE_ROWS, *s, dtype=torch.float16, device=device) for s in shapes)
 
@@ -310,7 +310,7 @@ class Exllamav3MoE:
         start = torch.cumsum(count, 0) - count
         output = torch.zeros(tokens, self.width, dtype=torch.float32, device=hidden.device)
         scratch = torch.empty(flat.numel(), self.width, dtype=torch.float32, device=hidden.device)
-        temps = _moe_temps(self.device, self.width, self.intermediate)
+        temps = _moe_temps(self.ext, self.device, self.width, self.intermediate)
         call_ext(
             self.ext, "exl3_moe", hidden_state=hidden, output_state=output, expert_count=count,
             token_sorted=token_sorted, weight_sorted=weight_sorted, temp_state_g=temps[0], temp_state_u=temps[1],
