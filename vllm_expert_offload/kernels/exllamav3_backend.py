@@ -161,7 +161,9 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 @contextlib.contextmanager
 def one_stream(device: torch.device) -> Iterator[None]:
-    """Run the body on the device's one EXL3 stream, ordered after the caller's stream and before its next work."""
+    """Run the body (launches only: tensors are allocated on the caller's stream) on the device's one EXL3 stream,
+    ordered after the caller's stream and before its next work, so the caller's allocator never reuses a block
+    an EXL3 kernel may still read."""
     if device.type != "cuda":
         yield
         return
@@ -270,15 +272,18 @@ class Exllamav3MoE:
             x, topk_weights = x * topk_weights.to(x.dtype), torch.ones_like(topk_weights)
         hidden = F.pad(x, (0, self.width - x.shape[1])).to(torch.float16).contiguous()
         weights, ids = topk_weights.to(torch.float16).contiguous(), topk_ids.to(torch.int64).contiguous()
-        with one_stream(self.device):
-            if tokens <= COOP_MAX_TOKENS:
-                out = self._decode(hidden, weights, ids).clone()
-            else:
-                out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
-                                 for s in range(0, tokens, MOE_ROWS)])
-            if _profiling() and not self.warm:
-                self.warm_up(top_k)
+        if tokens <= COOP_MAX_TOKENS:
+            out = self._decode(hidden, weights, ids).clone()
+        else:
+            out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
+                             for s in range(0, tokens, MOE_ROWS)])
+        if _profiling() and not self.warm:
+            self.warm_up(top_k)
         return out[:, : self.hidden].to(x.dtype)
+
+    def _launch(self, name: str, **arguments: object) -> None:
+        with one_stream(self.device):
+            call_ext(self.ext, name, **arguments)
 
     def _decode(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """exl3_moe_coop over (tokens <= 8, top_k) slots; returns a view of the fp32 output buffer."""
@@ -286,8 +291,8 @@ class Exllamav3MoE:
         if top_k not in self.coop:
             self.coop[top_k] = _CoopScratch.allocate(top_k, self.width, self.intermediate, self.device)
         s = self.coop[top_k]
-        call_ext(
-            self.ext, "exl3_moe_coop", x=hidden, sel=ids, rw=weights, min_expert=-1, max_expert=-1, Hi=self.width,
+        self._launch(
+            "exl3_moe_coop", x=hidden, sel=ids, rw=weights, min_expert=-1, max_expert=-1, Hi=self.width,
             **self._tables({"gate": "g", "up": "u", "down": "d"}, {part: part for part in PARTS}),
             g_bias=None, u_bias=None, d_bias=None, Kg=self.k["gate"], Ku=self.k["up"], Kd=self.k["down"],
             mcg=self.mcg, mul1=self.mul1, act=ACT_SILU, act_limit=0.0, gated=True,
@@ -311,8 +316,8 @@ class Exllamav3MoE:
         output = torch.zeros(tokens, self.width, dtype=torch.float32, device=hidden.device)
         scratch = torch.empty(flat.numel(), self.width, dtype=torch.float32, device=hidden.device)
         temps = _moe_temps(self.ext, self.device, self.width, self.intermediate)
-        call_ext(
-            self.ext, "exl3_moe", hidden_state=hidden, output_state=output, expert_count=count,
+        self._launch(
+            "exl3_moe", hidden_state=hidden, output_state=output, expert_count=count,
             token_sorted=token_sorted, weight_sorted=weight_sorted, temp_state_g=temps[0], temp_state_u=temps[1],
             temp_intermediate_g=temps[2], temp_intermediate_u=temps[3], act_function=ACT_SILU,
             K_gate=self.k["gate"], K_up=self.k["up"], K_down=self.k["down"],
@@ -322,8 +327,8 @@ class Exllamav3MoE:
             m_tile=16,
         )
         experts = slice(0, self.num_experts)
-        call_ext(
-            self.ext, "exl3_moe_gather", output_state=output, output_scratch=scratch, flat_expert=flat,
+        self._launch(
+            "exl3_moe_gather", output_state=output, output_scratch=scratch, flat_expert=flat,
             inv_order=inv_order, expert_start=start[experts], slot_base=start[experts],
             slot_kind=torch.full((self.num_experts,), FUSED_SLOTS, dtype=torch.int64, device=flat.device),
             weight_sorted=weight_sorted,
@@ -349,6 +354,7 @@ class Exllamav3Linear(RotatedLinear):
         super().__init__(shards, device, backend=None)  # shard_product below replaces the launcher
         self.ext = ext if ext is not None else load_ext()
         self.device = device
+        self.capture_rows = capture_sizes()  # read at load, where vLLM's config is current
         self.warm = False
 
     def shard_product(self, cover: torch.Tensor, shard: LinearShard, table: MatrixTable) -> torch.Tensor:
@@ -363,7 +369,7 @@ class Exllamav3Linear(RotatedLinear):
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if _profiling() and not self.warm:
-            self.warm_up(capture_sizes())
+            self.warm_up(self.capture_rows)
         return super().compute(x)
 
     def warm_up(self, row_counts: Sequence[int]) -> None:
