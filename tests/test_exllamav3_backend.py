@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from exllamav3_headers import header_signature
+from test_exl3_kernels import NoHostSync
 from test_decode import make_layer
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
 from vllm_expert_offload.exl3.decode import dequantize_kn
@@ -66,8 +67,9 @@ SEMANTICS = {"exl3_moe_coop": _coop, "exl3_moe": _moe, "exl3_moe_gather": _gathe
              "exl3_moe_max_concurrency": lambda a: 2, "exl3_gemm": _gemm}
 
 
-@pytest.fixture
-def fake_ext() -> types.ModuleType:
+def make_fake_ext(semantics: dict) -> types.ModuleType:
+    """An exllamav3_ext stand-in: each function takes the header's argument list and runs `semantics[name]` on it
+    by the header's argument names; `calls` records the order of calls."""
     calls: list[str] = []
 
     def function(name: str):
@@ -76,7 +78,7 @@ def fake_ext() -> types.ModuleType:
         def call(*args):
             assert len(args) == len(names), f"{name} takes {len(names)} arguments, called with {len(args)}"
             calls.append(name)
-            return SEMANTICS[name](dict(zip(names, args)))
+            return semantics[name](dict(zip(names, args)))
 
         return call
 
@@ -85,6 +87,11 @@ def fake_ext() -> types.ModuleType:
     for name in SIGNATURES:
         setattr(ext, name, function(name))
     return ext
+
+
+@pytest.fixture
+def fake_ext() -> types.ModuleType:
+    return make_fake_ext(SEMANTICS)
 
 
 def _layer(fake_ext) -> Exllamav3MoE:
@@ -141,7 +148,7 @@ def test_warm_up_runs_once_in_the_profile_run(fake_ext, monkeypatch: pytest.Monk
     layer = _layer(fake_ext)
     layer.forward(*_routing(2, top_k=2), False)
     layer.forward(*_routing(2, top_k=2), False)
-    assert fake_ext.calls == ["exl3_moe_coop"] * 2 + ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather",
+    assert fake_ext.calls == ["exl3_moe_coop"] * 9 + ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather",
                                                       "exl3_moe_coop"]
     monkeypatch.setattr(exllamav3_backend, "capture_sizes", lambda: (1, 4, 16))
     linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
@@ -162,3 +169,18 @@ def test_linear_matches_dequantized_for_fused_shards_with_offsets(fake_ext, rows
     got = Exllamav3Linear(shards, CPU, ext=fake_ext).forward(x)
     assert got.shape == (rows, 304) and fake_ext.calls == ["exl3_gemm"] * 2
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_glue_makes_no_host_synchronisation(tokens: int) -> None:
+    """Everything around the launches is device ops (the kernels are no-ops here): capturable in a CUDA graph."""
+    ext = make_fake_ext({name: (lambda a: 2) if name == "exl3_moe_max_concurrency" else (lambda a: None)
+                         for name in SIGNATURES})
+    layer = _layer(ext)
+    linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
+                             ext=ext)
+    x, weights, ids = _routing(tokens, top_k=2)
+    layer.forward(x, weights, ids, False)  # allocates the scratch and temps, once, before capture
+    with NoHostSync():
+        layer.forward(x, weights, ids, False)
+        linear.compute(torch.randn(tokens, 128))

@@ -177,12 +177,11 @@ def one_stream(device: torch.device) -> Iterator[None]:
 def capture_sizes() -> tuple[int, ...]:
     """The batch sizes vLLM will capture CUDA graphs for (none outside a vLLM config, e.g. in tests)."""
     try:
-        from vllm.config import get_current_vllm_config
-
-        sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes
-    except Exception:  # no vLLM, or no config set: nothing will be captured
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # the kernels used outside vLLM (benchmarks): nothing will be captured
         return ()
-    return tuple(sorted(set(sizes or ())))
+    config = get_current_vllm_config_or_none()
+    return () if config is None else tuple(sorted(set(config.compilation_config.cudagraph_capture_sizes or ())))
 
 
 def _profiling() -> bool:
@@ -336,10 +335,11 @@ class Exllamav3MoE:
         return output
 
     def warm_up(self, top_k: int) -> None:
-        """Run both kernels once outside graph capture (the first MoE launch allocates exllamav3's barrier buffer
-        and sets kernel attributes). Called during vLLM's profile run."""
+        """Run exl3_moe_coop at every decode batch size and exl3_moe once, outside graph capture (the first launch
+        allocates exllamav3's barrier buffer, and each kernel instance sets its attributes on first use). Called
+        during vLLM's profile run."""
         self.warm = True
-        for tokens in (1, COOP_MAX_TOKENS + 1):
+        for tokens in range(1, COOP_MAX_TOKENS + 2):
             ids = torch.arange(tokens * top_k, device=self.device).reshape(tokens, top_k) % self.num_experts
             weights = torch.ones(tokens, top_k, dtype=torch.float16, device=self.device)
             hidden = torch.zeros(tokens, self.width, dtype=torch.float16, device=self.device)
