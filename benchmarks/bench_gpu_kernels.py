@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device (use --smoke for the CPU code path)")
     limits = _limits(args.limits)
     backends, skipped = usable_backends(device)
-    result = {"backends": backends, "skipped_backends": skipped, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": shape, "limits": limits,
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": shape, "limits": limits,
+              "backends": backends, "skipped_backends": skipped,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "torch": torch.__version__, "moe": bench_moe(shape, limits, device, backends),
               "dense": bench_dense(shape, device, backends)}

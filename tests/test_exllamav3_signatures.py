@@ -60,6 +60,7 @@ def test_a_changed_signature_fails_the_check(change) -> None:
 
 
 def test_the_parser_reads_defaults_optionals_and_one_line_declarations() -> None:
-    text = "int f(int device);\nvoid g\n(\n    const c10::optional<at::Tensor>& a = {},  // note\n    bool b = false\n);"
+    text = ("int f(int device);\n"
+            "void g\n(\n    const c10::optional<at::Tensor>& a = {},  // note\n    bool b = false\n);")
     assert declaration(text, "f") == [("device", "int")]
     assert declaration(text, "g") == [("a", "optional tensor"), ("b", "bool")]

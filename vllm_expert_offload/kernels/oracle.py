@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .linear import DequantizedLinear, LinearShard
 from .exllamav3_backend import Exllamav3Linear, Exllamav3MoE, exllamav3_unavailable, moe_refusal
+from .linear import DequantizedLinear, LinearShard
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
 from .rotated import MatmulBackend, RotatedLinear, RotatedMoE
 from .table_moe import ExpertCrop, TableMoE
