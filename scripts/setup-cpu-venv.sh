@@ -39,8 +39,9 @@ EXL3_HEADERS=".cache/exllamav3-$EXL3_VERSION"
 if [ ! -f "$EXL3_HEADERS/exllamav3/exllamav3_ext/bindings.cpp" ]; then
     echo "[setup] fetching exllamav3 $EXL3_VERSION's extension headers into $EXL3_HEADERS"
     rm -rf "$EXL3_HEADERS.tmp" && mkdir -p "$EXL3_HEADERS.tmp"
-    pip_ download -q --no-deps --dest "$EXL3_HEADERS.tmp" "exllamav3==$EXL3_VERSION"
-    "$VENV/bin/python" - "$EXL3_HEADERS.tmp" "$EXL3_HEADERS" <<'PY'
+    # Not fatal: without them the rest of the suite still runs, and the signature tests fail saying why.
+    if pip_ download -q --no-deps --dest "$EXL3_HEADERS.tmp" "exllamav3==$EXL3_VERSION"; then
+        "$VENV/bin/python" - "$EXL3_HEADERS.tmp" "$EXL3_HEADERS" <<'PY'
 import glob, sys, zipfile
 source, target = sys.argv[1:]
 (wheel,) = glob.glob(f"{source}/exllamav3-*.whl")
@@ -48,6 +49,9 @@ with zipfile.ZipFile(wheel) as z:
     z.extractall(target, [f"exllamav3/exllamav3_ext/{name}" for name in
                           ("bindings.cpp", "quant/exl3_moe.cuh", "quant/exl3_moe_coop.cuh", "quant/exl3_gemm.cuh")])
 PY
+    else
+        echo "[setup] WARNING: cannot download exllamav3 $EXL3_VERSION; its signature tests will fail" >&2
+    fi
     rm -rf "$EXL3_HEADERS.tmp"
 fi
 "$VENV/bin/python" -c "
