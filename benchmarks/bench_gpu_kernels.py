@@ -4,11 +4,12 @@
     python3 benchmarks/bench_gpu_kernels.py --smoke --json out.json      # CPU, Triton interpreter, tiny shapes
 
 - One Qwen3-30B-A3B-shaped MoE layer (hidden 2048, intermediate 768, 128 experts, top-8, K=3 MUL1, random
-  trellis) at 1, 8 and 64 tokens with 0/25/50/100 % of the experts in the mapped host arena, for the triton and
-  torch backends. Bytes read per forward = the trellises (+ scales) of the experts the batch selects, split by tier;
+  trellis) at 1, 8 and 64 tokens with 0/25/50/100 % of the experts in the mapped host arena, for each backend that
+  can run here (exllamav3 where its compiled extension imports, triton, torch; the others are listed with why not). Bytes read per forward = the trellises (+ scales) of the experts the batch selects, split by tier;
   roofline = GPU-tier bytes / HBM bandwidth + host-tier bytes / zero-copy read bandwidth (serialised; perfect
   overlap would be the max), bandwidths from `--limits` (../shared/tools/gpu-limits output) when given.
-- One dense 4096 x 4096 K=4 linear (triton) beside fp16 `torch.matmul` of the same shape, at 1, 8 and 64 rows.
+- One dense 4096 x 4096 K=4 linear (exllamav3's exl3_gemm, triton) beside fp16 `torch.matmul` of the same shape, at
+  1, 8 and 64 rows.
 Timing: CUDA events around each forward, median of the repeats after one warm-up.
 """
 
@@ -22,20 +23,27 @@ from datetime import datetime, timezone
 import torch
 
 from vllm_expert_offload.kernels.linear import LinearShard
-from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel
+from vllm_expert_offload.kernels.oracle import (KernelChoice, build_linear_kernel, exllamav3_unavailable,
+                                                triton_unavailable)
 from vllm_expert_offload.testing.random_layers import median_seconds, random_linear, random_moe
 
 FULL = {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "k": 3, "tokens": (1, 8, 64),
         "host_shares": (0.0, 0.25, 0.5, 1.0), "dense": 4096, "dense_k": 4, "repeats": 3}
 SMOKE = {"hidden": 128, "intermediate": 128, "experts": 8, "top_k": 2, "k": 3, "tokens": (1, 9),
          "host_shares": (0.0, 1.0), "dense": 128, "dense_k": 4, "repeats": 1}
-BACKENDS = ("triton", "torch")
+BACKENDS = ("exllamav3", "triton", "torch")
 
 
-def bench_moe(shape: dict, limits: dict, device: torch.device) -> list[dict]:
+def usable_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:
+    """The backends that can run on `device`, and why each other one cannot."""
+    why_not = {"exllamav3": exllamav3_unavailable(device), "triton": triton_unavailable(device), "torch": None}
+    return [b for b in BACKENDS if why_not[b] is None], {b: why for b, why in why_not.items() if why is not None}
+
+
+def bench_moe(shape: dict, limits: dict, device: torch.device, backends: list[str]) -> list[dict]:
     rows = []
     for host_share in shape["host_shares"]:
-        for backend in BACKENDS:
+        for backend in backends:
             layer = random_moe(shape["hidden"], shape["intermediate"], shape["experts"], shape["k"], host_share,
                                backend, device)
             kernel, expert_bytes, gpu_tier = layer.kernel, layer.expert_bytes, layer.gpu_tier
@@ -65,20 +73,23 @@ def _roofline(gpu_bytes: int, host_bytes: int, limits: dict) -> float | None:
     return gpu_bytes / (hbm * 1e9) + host_bytes / (uva * 1e9)
 
 
-def bench_dense(shape: dict, device: torch.device) -> list[dict]:
+def bench_dense(shape: dict, device: torch.device, backends: list[str]) -> list[dict]:
+    """Per row count: fp16 matmul and each trellis-reading backend (`exl3_<backend>_s`, `<backend>_ratio_to_fp16`)."""
     n, k = shape["dense"], shape["dense_k"]
     layer = random_linear(torch.Generator().manual_seed(1), n, n, k)
-    triton = build_linear_kernel(KernelChoice("triton", "triton", "benchmark"),
-                                 [LinearShard(layer, 0, n, n, 0, n)], torch.float16, device)
+    kernels = {b: build_linear_kernel(KernelChoice(b, b, "benchmark"), [LinearShard(layer, 0, n, n, 0, n)],
+                                      torch.float16, device) for b in backends if b != "torch"}
     dense = torch.randn(n, n, device=device).half() / n**0.5
     rows = []
     for tokens in shape["tokens"]:
         x = torch.randn(tokens, n, device=device).half()
-        exl3_s = median_seconds(lambda: triton.forward(x), shape["repeats"], device)
         fp16_s = median_seconds(lambda: x @ dense if device.type == "cuda" else x.float() @ dense.float(), shape["repeats"],
                        device)
-        rows.append({"tokens": tokens, "exl3_triton_s": exl3_s, "fp16_matmul_s": fp16_s,
-                     "exl3_bytes": layer.nbytes(), "fp16_bytes": 2 * n * n, "ratio_to_fp16": fp16_s / exl3_s})
+        row = {"tokens": tokens, "fp16_matmul_s": fp16_s, "exl3_bytes": layer.nbytes(), "fp16_bytes": 2 * n * n}
+        for name, kernel in kernels.items():
+            seconds = median_seconds(lambda: kernel.forward(x), shape["repeats"], device)
+            row.update({f"exl3_{name}_s": seconds, f"{name}_ratio_to_fp16": fp16_s / seconds})
+        rows.append(row)
     return rows
 
 
@@ -98,9 +109,12 @@ def _print_table(result: dict) -> None:
         frac = "-" if r["fraction_of_roofline"] is None else f"{r['fraction_of_roofline']:.2f}"
         print(f"{r['backend']:8s} {r['host_share']:5.2f} {r['tokens']:6d} {r['seconds'] * 1e3:9.3f} {roof:>12s} {frac:>9s}")
     for r in result["dense"]:
-        print(f"dense {result['shape']['dense']}^2 K={result['shape']['dense_k']} x{r['tokens']}: triton "
-              f"{r['exl3_triton_s'] * 1e3:.3f} ms, fp16 matmul {r['fp16_matmul_s'] * 1e3:.3f} ms "
-              f"(triton at {r['ratio_to_fp16']:.2f}x fp16 speed)")
+        exl3 = ", ".join(f"{b} {r[f'exl3_{b}_s'] * 1e3:.3f} ms ({r[f'{b}_ratio_to_fp16']:.2f}x fp16 speed)"
+                         for b in result["backends"] if f"exl3_{b}_s" in r)
+        print(f"dense {result['shape']['dense']}^2 K={result['shape']['dense_k']} x{r['tokens']}: {exl3}, "
+              f"fp16 matmul {r['fp16_matmul_s'] * 1e3:.3f} ms")
+    for backend, why in result["skipped_backends"].items():
+        print(f"{backend}: not run ({why})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.error("no CUDA device (use --smoke for the CPU code path)")
     limits = _limits(args.limits)
+    backends, skipped = usable_backends(device)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": shape, "limits": limits,
+              "backends": backends, "skipped_backends": skipped,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-              "torch": torch.__version__, "moe": bench_moe(shape, limits, device), "dense": bench_dense(shape, device)}
+              "torch": torch.__version__, "moe": bench_moe(shape, limits, device, backends),
+              "dense": bench_dense(shape, device, backends)}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     _print_table(result)

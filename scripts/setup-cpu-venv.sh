@@ -32,6 +32,28 @@ if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
     echo "[setup] installing a C++ compiler for the CPU kernel"
     apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
+# The C++ headers of exllamav3's extension, for tests/test_exllamav3_signatures.py (our calls against its argument
+# lists). Only the headers are unpacked, into the ignored .cache/; nothing of exllamav3 is installed or committed.
+EXL3_VERSION=1.6.5
+EXL3_HEADERS=".cache/exllamav3-$EXL3_VERSION"
+if [ ! -f "$EXL3_HEADERS/exllamav3/exllamav3_ext/bindings.cpp" ]; then
+    echo "[setup] fetching exllamav3 $EXL3_VERSION's extension headers into $EXL3_HEADERS"
+    rm -rf "$EXL3_HEADERS.tmp" && mkdir -p "$EXL3_HEADERS.tmp"
+    # Not fatal: without them the rest of the suite still runs, and the signature tests fail saying why.
+    if pip_ download -q --no-deps --dest "$EXL3_HEADERS.tmp" "exllamav3==$EXL3_VERSION"; then
+        "$VENV/bin/python" - "$EXL3_HEADERS.tmp" "$EXL3_HEADERS" <<'PY'
+import glob, sys, zipfile
+source, target = sys.argv[1:]
+(wheel,) = glob.glob(f"{source}/exllamav3-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(target, [f"exllamav3/exllamav3_ext/{name}" for name in
+                          ("bindings.cpp", "quant/exl3_moe.cuh", "quant/exl3_moe_coop.cuh", "quant/exl3_gemm.cuh")])
+PY
+    else
+        echo "[setup] WARNING: cannot download exllamav3 $EXL3_VERSION; its signature tests will fail" >&2
+    fi
+    rm -rf "$EXL3_HEADERS.tmp"
+fi
 "$VENV/bin/python" -c "
 from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_unavailable
 why = cpu_kernel_unavailable()

@@ -31,4 +31,6 @@ def test_smoke_run_writes_rows_with_bytes_by_tier_and_rooflines(tmp_path: Path) 
         assert (row["gpu_bytes"] == 0) == (row["host_share"] == 1.0)
         want = row["gpu_bytes"] / 2000e9 + row["host_bytes"] / 25e9
         assert abs(row["roofline_s"] - want) <= 1e-12 and row["fraction_of_roofline"] == want / row["seconds"]
-    assert [r["tokens"] for r in result["dense"]] == [1, 9]
+    assert [r["tokens"] for r in result["dense"]] == [1, 9] and all("exl3_triton_s" in r for r in result["dense"])
+    assert result["backends"] == ["triton", "torch"]
+    assert "its kernels are CUDA kernels" in result["skipped_backends"]["exllamav3"]

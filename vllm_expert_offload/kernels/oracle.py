@@ -1,9 +1,11 @@
 """The one place that decides which backend computes EXL3 layers; layer code never branches on hardware.
 
 `expert_offload.kernel` asks for a backend: "auto" (default), "cpu", "exllamav3", "triton" or "torch".
-- auto: on CUDA exllamav3 when its backend can run, else Triton; on a CPU the compiled CPU kernel, else the
-  torch reference (with the reason the CPU kernel is unavailable).
-- A backend asked for by name that cannot run here is refused at startup with the reason, never replaced.
+- auto: on CUDA exllamav3 when its compiled extension imports, with Triton (else torch) for each layer its
+  kernels refuse; else Triton; on a CPU the compiled CPU kernel, else the torch reference (with the reason the
+  CPU kernel is unavailable).
+- A backend asked for by name that cannot run here is refused at startup with the reason, never replaced; so is
+  a layer that exllamav3, asked for by name, cannot compute (when its weights are placed).
 The decision is made once per process for each layer kind and logged in one line with its reasons.
 
 Backends and what they compute:
@@ -14,12 +16,14 @@ Backends and what they compute:
 - triton: `RotatedMoE` and `RotatedLinear` over the Triton kernel (CUDA, or the interpreter on a CPU with
   TRITON_INTERPRET=1); no host sync, CUDA-graph safe. Dense linears keep nothing decoded unless
   `dequantize_linears` asks for it.
-- exllamav3: its compiled kernels over the same pointer tables; not wired in this version, so asking for
-  it is refused with that reason, and auto passes over it.
+- exllamav3: exllamav3 1.6.5's compiled CUDA kernels over the same pointer tables (`exllamav3_backend.py`):
+  exl3_moe_coop / exl3_moe for routed experts of layers within their constraints (one codebook, MCG or MUL1,
+  one K per projection and one for gate and up, no TP crop or clamp), exl3_gemm for every dense linear.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .exllamav3_backend import Exllamav3Linear, Exllamav3MoE, exllamav3_unavailable, moe_refusal
 from .linear import DequantizedLinear, LinearShard
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
 from .rotated import MatmulBackend, RotatedLinear, RotatedMoE
@@ -45,16 +50,12 @@ class KernelChoice:
     moe: str  # backend for routed experts
     linear: str  # backend for dense EXL3 linears ("dequantized" = decoded once at load)
     reason: str
+    fallback: str | None = None  # auto with exllamav3: the backend of a MoE layer its kernels refuse
 
     @property
     def graph_safe(self) -> bool:
         """Whether the routed-expert forward can be captured in a CUDA graph (no host syncs)."""
-        return self.moe != "torch"
-
-
-def exllamav3_unavailable() -> str:
-    """Why the exllamav3 backend cannot run (it is not wired to the pointer tables in this version)."""
-    return "the exllamav3 backend is not part of this version of vllm-expert-offload"
+        return "torch" not in (self.moe, self.fallback)
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -83,12 +84,13 @@ def choose_kernels(requested: str, device: torch.device, dequantize_linears: boo
     """The backend for each layer kind on `device`, or BackendUnavailable naming the option and the reason."""
     if requested not in BACKENDS:
         raise BackendUnavailable(f"--additional-config expert_offload.kernel={requested!r}: expected one of {BACKENDS}")
+    fallback = None
     if requested == "auto":
-        moe, reason = _auto(device)
+        moe, fallback, reason = _auto(device)
     else:
         refusal = {
             "cpu": lambda: cpu_unavailable(device),
-            "exllamav3": exllamav3_unavailable,
+            "exllamav3": lambda: exllamav3_unavailable(device),
             "triton": lambda: triton_unavailable(device),
             "torch": lambda: None,
         }[requested]()
@@ -100,19 +102,23 @@ def choose_kernels(requested: str, device: torch.device, dequantize_linears: boo
         reason += "; dense linears decoded once at load" + (" (dequantize_linears)" if dequantize_linears else "")
     else:
         linear = moe
-    return KernelChoice(moe, linear, reason)
+    return KernelChoice(moe, linear, reason, fallback)
 
 
-def _auto(device: torch.device) -> tuple[str, str]:
+def _auto(device: torch.device) -> tuple[str, str | None, str]:
+    """(backend, fallback for MoE layers exllamav3 refuses, reason)."""
     if device.type == "cpu":
         why_not_cpu = cpu_unavailable(device)
         if why_not_cpu is None:
-            return "cpu", "CPU: the compiled CPU kernel"
-        return "torch", f"CPU: the torch reference, because the compiled CPU kernel is unavailable ({why_not_cpu})"
+            return "cpu", None, "CPU: the compiled CPU kernel"
+        reason = f"CPU: the torch reference, because the compiled CPU kernel is unavailable ({why_not_cpu})"
+        return "torch", None, reason
     why_not_triton = triton_unavailable(device)
-    if why_not_triton is None:
-        return "triton", f"{device.type}: exllamav3 passed over ({exllamav3_unavailable()})"
-    return "torch", f"{device.type}: exllamav3 passed over ({exllamav3_unavailable()}); triton: {why_not_triton}"
+    other, why_other = ("triton", "") if why_not_triton is None else ("torch", f"; triton: {why_not_triton}")
+    why_not_exllamav3 = exllamav3_unavailable(device)
+    if why_not_exllamav3 is None:
+        return "exllamav3", other, f"{device.type}: exllamav3, {other} for MoE layers its kernels refuse{why_other}"
+    return other, None, f"{device.type}: exllamav3 passed over ({why_not_exllamav3}){why_other}"
 
 
 def log_choice(choice: KernelChoice) -> None:
@@ -130,14 +136,32 @@ def build_moe_kernel(
     device: torch.device,
     swiglu_limit: float | None = None,
 ):
-    if choice.moe == "torch":
+    backend = choice.moe
+    if backend == "exllamav3":
+        refusal = moe_refusal(experts, crop, swiglu_limit)
+        if refusal is None:
+            return Exllamav3MoE(experts, tables, arena, crop, device)
+        layer = experts[0].projections["gate"].name
+        if choice.fallback is None:
+            raise BackendUnavailable(f"--additional-config expert_offload.kernel='exllamav3' cannot compute {layer}: "
+                                     f"{refusal}")
+        _log_once(f"EXL3 kernels: {layer} and layers like it -> {choice.fallback} (exllamav3: {refusal})")
+        backend = choice.fallback
+    if backend == "torch":
         return TableMoE(experts, tables, arena, crop, dtype, device, swiglu_limit)
-    return RotatedMoE(experts, tables, scales, arena, crop, device, _matmul_backend(choice.moe), swiglu_limit)
+    return RotatedMoE(experts, tables, scales, arena, crop, device, _matmul_backend(backend), swiglu_limit)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
 
 
 def build_linear_kernel(choice: KernelChoice, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device):
     if choice.linear == "dequantized":
         return DequantizedLinear(shards, dtype, device)
+    if choice.linear == "exllamav3":
+        return Exllamav3Linear(shards, device)
     return RotatedLinear(shards, device, _matmul_backend(choice.linear))
 
 

@@ -115,21 +115,26 @@ class RotatedMoE:
 
 
 class RotatedLinear:
-    def __init__(self, shards: Sequence[LinearShard], device: torch.device, backend: MatmulBackend) -> None:
+    """Dense shards through a launcher (`backend`), or through a subclass's own `shard_product` (backend None)."""
+
+    def __init__(self, shards: Sequence[LinearShard], device: torch.device, backend: MatmulBackend | None) -> None:
         self.backend = backend
         self.shards = [shard.to(device) for shard in shards]
         self.tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
         self.kernel_id = _register(self)
 
+    def shard_product(self, cover: torch.Tensor, shard: LinearShard, table: MatrixTable) -> torch.Tensor:
+        """cover @ W of one shard, in fp32 (the part a backend with its own dense kernel replaces)."""
+        blocks = single_matrix_blocks(cover.shape[0], self.backend.block_m, cover.device)
+        return exl3_matmul(cover, shard.layer.suh, shard.layer.svh, *blocks, table, self.backend, cover.dtype)
+
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """The forward itself (what the custom op runs)."""
         rows = x.reshape(-1, x.shape[-1])
-        blocks = single_matrix_blocks(rows.shape[0], self.backend.block_m, rows.device)
         outputs = []
         for shard, table in zip(self.shards, self.tables):
             cover = F.pad(rows, (shard.in_offset, table.in_features - shard.in_offset - shard.in_size))
-            y = exl3_matmul(cover, shard.layer.suh, shard.layer.svh, *blocks, table, self.backend, x.dtype)
-            y = y[:, shard.out_offset : shard.out_offset + shard.out_valid]
+            y = self.shard_product(cover, shard, table)[:, shard.out_offset : shard.out_offset + shard.out_valid]
             outputs.append(F.pad(y, (0, shard.out_rows - shard.out_valid)))
         return torch.cat(outputs, dim=-1).to(x.dtype).reshape(*x.shape[:-1], -1)
 
