@@ -84,3 +84,20 @@ def compare_greedy(
         if compared < min_steps and not bad:
             failures.append(f"prompt {i}: {compared} steps compared, at least {min_steps} required")
     return Comparison(steps, failures, notes)
+
+
+def teacher_forced_gaps(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> list[list[float]]:
+    """Per prompt and step: HF's best logit minus HF's logit for the token the engine chose, on the engine's own
+    sequence. Where exact greedy equality cannot hold over many steps (vLLM's DeepSeek-V4 runs bf16 with an fp8
+    KV cache), this still scores every step: a right model stays near HF's best, a wrong one falls to a random
+    token's gap."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gaps = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, got):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+            chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+            gaps.append((logits.max(dim=-1).values - chosen).tolist())
+    return gaps

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..exl3 import deepseek_v4 as dsv4
 from ..exl3.checkpoint import Exl3Checkpoint, split_name
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
 from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
@@ -45,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int, dequantized: bool) -> int:
     """Everything on each GPU besides routed-expert trellises: unquantized and delegated tensors (a mixed pack's
     FP8 or BF16 layers) at their stored size, dense EXL3 linears as serving holds them (quantized, as the GPU
-    kernels read them, or decoded to fp16 under dequantize_linears), and every expert's suh/svh (they stay on
+    kernels read them, or decoded to fp16 under dequantize_linears and where vLLM reads a plain weight, as
+    DeepSeek-V4's compressors, wo_a and head), and every expert's suh/svh (they stay on
     the GPU). Split evenly over TP: an estimate, since norms and routers are replicated."""
     expert_prefixes = {
         summary.layout.expert_prefix(layer, e, p)
@@ -54,14 +56,16 @@ def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, t
     }
     total = 0
     shapes = ckpt.header_shapes()
+    is_v4 = dsv4.is_deepseek_v4(ckpt.hf_config)
     for name, (shape, dtype) in shapes.items():
         prefix, suffix = split_name(name)
         if prefix in summary.linears:
             lin = summary.linears[prefix]
+            read_plain = is_v4 and dsv4.decoded_at_load(prefix)
             if prefix not in expert_prefixes:
-                if not dequantized:
+                if not (dequantized or read_plain):
                     total += nbytes(shapes, name)
-                elif suffix == "trellis":
+                elif suffix == "trellis":  # held decoded, 2 bytes a weight (fp16/bf16)
                     total += lin.in_features * lin.out_features * DEQUANTIZED_BYTES_PER_WEIGHT
             elif suffix in ("suh", "svh"):
                 total += 2 * shape[0]
