@@ -40,6 +40,9 @@ class EngineSpec:
     enforce_eager: bool = True  # False: torch.compile and CUDA graphs on a GPU (graph-safe backends only)
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
+    # Modules whose install() runs in the engine child before vLLM is imported (test-only shims, e.g.
+    # vllm_expert_offload.testing.dsv4_cpu_shim); the plugin's register() never installs them.
+    preload: list[str] = field(default_factory=list)
 
 
 def engine_env(tensor_parallel_size: int) -> dict[str, str]:
@@ -90,7 +93,15 @@ def _run(spec: EngineSpec) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
 
 
+def _preload(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name).install()
+
+
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(sys.stdin.read()))
     Path(spec.model)  # fail early on a bad spec
+    _preload(spec.preload)
     print("RESULT " + json.dumps(_run(spec)), flush=True)

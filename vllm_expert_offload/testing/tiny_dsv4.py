@@ -42,7 +42,8 @@ TINY_DSV4_CONFIG: dict[str, Any] = {
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
     "q_lora_rank": 128, "o_groups": 1, "o_lora_rank": 128,
     "index_n_heads": 2, "index_head_dim": 128, "index_topk": 512,
-    "n_routed_experts": 64, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 128,
+    # The CPU top-k kernels take 64/128/256/384 experts and top-k 6 or 8 (1, 2, 4 refused).
+    "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 128,
     "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
     # Pre-activations of the random experts have std ~1.6 (see WEIGHT_STD), so 3.0 clamps a few percent of them:
     # the clamp is exercised, not a no-op (measured by `clamp_fraction`).
