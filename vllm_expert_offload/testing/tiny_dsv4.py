@@ -203,6 +203,8 @@ def build_tiny_dsv4(
     config, seed, library versions and this module's source; an existing build is reused."""
     overrides = dict(sorted((config_overrides or {}).items()))
     spec = {"seed": seed, "config": TINY_DSV4_CONFIG | overrides}
-    variant = "".join(f"-{k}{v}" for k, v in overrides.items()).replace(" ", "")
+    # Only [A-Za-z0-9._-] in the name: vLLM globs the model directory for *.safetensors, so "[0,0,0]" in a
+    # path would be read as a character class and find no weights.
+    variant = re.sub(r"[^A-Za-z0-9._-]", "", "".join(f"-{k}{v}" for k, v in overrides.items()))
     return cached_fixture(f"dsv4{variant}-s{seed}", spec, lambda work: write_tiny_dsv4(work, seed, overrides),
                           code=("vllm_expert_offload.testing.tiny_dsv4",), root=out_dir)
