@@ -138,8 +138,9 @@ def test_stock_vllm_dsv4_tracks_hf_reference() -> None:
     exact = compare_greedy(reference, got, min_steps=1, min_margin=MIN_MARGIN)
     gaps = _teacher_forced_gaps(model, prompts, got)
     at_argmax = sum(g == 0.0 for row in gaps for g in row)
-    print(f"vLLM tokens {got}; exact greedy agreement: {exact}; reference margins {[[round(m, 2) for m in r] for r in reference.margins]}"
-          f"; teacher-forced gaps {[[round(g, 3) for g in row] for row in gaps]}")
+    margins = [[round(m, 2) for m in row] for row in reference.margins]
+    print(f"vLLM tokens {got}; exact greedy agreement: {exact}; reference margins {margins}; "
+          f"teacher-forced gaps {[[round(g, 3) for g in row] for row in gaps]}")
     assert exact.matched, str(exact)
     assert max(max(row) for row in gaps) < GAP_BOUND, gaps
     assert at_argmax >= MIN_ARGMAX_SHARE * MAX_TOKENS * len(prompts), gaps
