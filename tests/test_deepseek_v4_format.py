@@ -20,8 +20,7 @@ from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.naming import moe_layout
 from vllm_expert_offload.exl3.validate import validate_checkpoint
 from vllm_expert_offload.integration.methods.decoded_at_load import DecodedAtLoad
-from vllm_expert_offload.testing.tiny_dsv4 import build_tiny_dsv4, save_pretrained_names
-from vllm_expert_offload.testing.tiny_dsv4_exl3 import EXL3_OVERRIDES, build_tiny_dsv4_exl3
+from vllm_expert_offload.testing.tiny_dsv4 import EXL3_OVERRIDES, build_tiny_dsv4, build_tiny_dsv4_exl3, save_pretrained_names
 from vllm_expert_offload.testing.tiny_models import build_dense_twin
 
 TRELLIS_SUFFIXES = ("trellis", "suh", "svh", "mul1", "mcg")

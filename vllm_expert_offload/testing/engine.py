@@ -11,10 +11,8 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from .reference import ReferenceRun
 
 ENGINE_TIMEOUT_S = 600
 LOG_TAIL_CHARS = 6000
@@ -42,7 +40,9 @@ class EngineSpec:
     enforce_eager: bool = True  # False: torch.compile and CUDA graphs on a GPU (graph-safe backends only)
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
-    margins: bool = False  # also return each step's top-1 minus top-2 logprob (vLLM as its own reference)
+    # Modules whose install() runs in the engine child before vLLM is imported (test-only shims, e.g.
+    # vllm_expert_offload.testing.dsv4_cpu_shim); the plugin's register() never installs them.
+    preload: list[str] = field(default_factory=list)
 
 
 def engine_env(tensor_parallel_size: int) -> dict[str, str]:
@@ -61,20 +61,8 @@ def generate_greedy(spec: EngineSpec) -> list[list[int]]:
     return generate_timed(spec)[0]
 
 
-def generate_with_margins(spec: EngineSpec) -> ReferenceRun:
-    """Greedy tokens with each step's top-1/top-2 logprob gap: stock vLLM as the reference where HF
-    transformers cannot be one (vLLM's DeepSeek-V4 runs only in bf16)."""
-    result = _result(replace(spec, margins=True))
-    return ReferenceRun(result["tokens"], result["margins"])
-
-
 def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
     """Token ids per prompt and the seconds `LLM.generate` took (engine start excluded); EngineFailed if none."""
-    result = _result(spec)
-    return result["tokens"], result["generate_s"]
-
-
-def _result(spec: EngineSpec) -> dict:
     env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
@@ -82,7 +70,8 @@ def _result(spec: EngineSpec) -> dict:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT "):])
+            return result["tokens"], result["generate_s"]
     raise EngineFailed(proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -95,26 +84,24 @@ def _run(spec: EngineSpec) -> dict:
         spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager,
         block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
     )
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-                            logprobs=2 if spec.margins else None)
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec.prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     for method, args in spec.rpc_after:
         llm.collective_rpc(method, args=tuple(args))
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
-    if spec.margins:
-        result["margins"] = [[_gap(step) for step in o.outputs[0].logprobs] for o in outputs]
-    return result
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
 
 
-def _gap(step: dict) -> float:
-    """Top-1 minus top-2 logprob of one step (the logit gap: log-softmax keeps differences)."""
-    top = sorted((lp.logprob for lp in step.values()), reverse=True)
-    return top[0] - top[1]
+def _preload(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name).install()
 
 
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(sys.stdin.read()))
     Path(spec.model)  # fail early on a bad spec
+    _preload(spec.preload)
     print("RESULT " + json.dumps(_run(spec)), flush=True)

@@ -13,10 +13,17 @@ class ReferenceRun:
     margins: list[list[float]]  # top-1 minus top-2 logit at each generated step
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> ReferenceRun:
+def hf_model(model: str | torch.nn.Module) -> torch.nn.Module:
+    """HF transformers' model of a checkpoint directory in float32, or an HF model already built (e.g. modified)."""
+    if isinstance(model, torch.nn.Module):
+        return model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str | torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> ReferenceRun:
+    model = hf_model(model_dir)
     tokens, margins = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -86,14 +93,14 @@ def compare_greedy(
     return Comparison(steps, failures, notes)
 
 
-def teacher_forced_gaps(model_dir: str, prompts: list[list[int]], got: list[list[int]]) -> list[list[float]]:
+def teacher_forced_gaps(
+    model_dir: str | torch.nn.Module, prompts: list[list[int]], got: list[list[int]]
+) -> list[list[float]]:
     """Per prompt and step: HF's best logit minus HF's logit for the token the engine chose, on the engine's own
     sequence. Where exact greedy equality cannot hold over many steps (vLLM's DeepSeek-V4 runs bf16 with an fp8
     KV cache), this still scores every step: a right model stays near HF's best, a wrong one falls to a random
     token's gap."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     gaps = []
     with torch.no_grad():
         for prompt, tokens in zip(prompts, got):
