@@ -31,7 +31,9 @@ vllm-expert-offload plan --model "$MODEL" --tp 2 --gpu-budget-gib "$GPU_BUDGET_G
 vllm-expert-offload simulate --plan "$PLAN" --model "$MODEL" --top-k "$TOP_K" "${stats_args[@]}" \
     --concurrency 1,4,8
 
-# 3. Serve. --shutdown-timeout lets SIGTERM release the host arenas cleanly (vLLM's default 0 kills at once).
+# 3. Serve. --shutdown-timeout lets SIGTERM release the host arenas cleanly (vLLM's default 0 kills at once), and
+#    each worker gets 25 s (default 5) to exit before the engine kills it.
+export VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=${VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS:-25}
 offload=$(printf '{"expert_offload": {"plan": "%s", "record_stats": "%s"}}' "$PLAN" "$RECORD")
 exec vllm serve "$MODEL" --tensor-parallel-size 2 --block-size 64 --port "$PORT" \
     --gpu-memory-utilization 0.92 --max-model-len 65536 --shutdown-timeout 30 \
