@@ -1,8 +1,10 @@
-"""Shared test setup: CPU-only environment defaults and the `gpu` marker's skip."""
+"""Shared test setup: CPU-only environment defaults, the `gpu` marker's skip, the host arena's log."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,3 +22,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def arena_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the host arena's logger, a child of "vllm": once vLLM is imported its logger stops propagation,
+    so caplog's root handler would see nothing; the handler is attached to the logger itself instead."""
+    from vllm_expert_offload.memory import arena
+
+    logger = arena.logger
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # not seen twice where it would propagate to the root handler too
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

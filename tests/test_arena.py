@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import logging
 import os
 from pathlib import Path
 
@@ -156,13 +155,12 @@ def test_numa_binding_failure_raises(fake_mbind: list[tuple], monkeypatch: pytes
 
 
 def test_numa_binding_skipped_on_one_node(
-    fake_mbind: list[tuple], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fake_mbind: list[tuple], monkeypatch: pytest.MonkeyPatch, arena_log: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(arena_mod, "online_numa_nodes", lambda: (0,))
-    with caplog.at_level(logging.INFO, logger=arena_mod.__name__):
-        arena = HostArena(PAGE, numa_node=0)
+    arena = HostArena(PAGE, numa_node=0)
     assert arena.numa_node is None and fake_mbind == []
-    assert "NUMA binding to node 0 skipped: the kernel reports one NUMA node" in caplog.text
+    assert "NUMA binding to node 0 skipped: the kernel reports one NUMA node" in arena_log.text
 
 
 def memory_policy(address: int) -> str:

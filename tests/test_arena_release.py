@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-import logging
+import os
 import subprocess
 import sys
 
@@ -39,14 +39,13 @@ def test_strict_bind_when_the_node_has_room(two_nodes: list[int], monkeypatch: p
 
 
 def test_preferred_with_numbers_when_the_node_is_short(
-    two_nodes: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    two_nodes: list[int], monkeypatch: pytest.MonkeyPatch, arena_log: pytest.LogCaptureFixture
 ) -> None:
     """A strict bind here would let the kernel OOM-kill the worker while registration faults the pages in."""
     monkeypatch.setattr(arena_mod, "node_free_bytes", lambda node: 8 * PAGE)
-    with caplog.at_level(logging.WARNING, logger=arena_mod.__name__):
-        arena = HostArena(16 * PAGE, numa_node=1)
+    arena = HostArena(16 * PAGE, numa_node=1)
     assert two_nodes == [arena_mod.MPOL_PREFERRED] and arena.numa_node == 1
-    assert "NUMA node 1 has 0.00 GiB free but the arena needs 0.00 GiB; preferring the node" in caplog.text
+    assert "NUMA node 1 has 0.00 GiB free but the arena needs 0.00 GiB; preferring the node" in arena_log.text
 
 
 def test_node_free_bytes_reads_meminfo(tmp_path) -> None:
@@ -67,18 +66,18 @@ def _mapped(address: int) -> bool:
     return False
 
 
-def test_close_unmaps_once_and_refuses_under_live_views(caplog: pytest.LogCaptureFixture) -> None:
+def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCaptureFixture) -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
+    assert f"host arena mapped: 0.0 MiB at {base:#x}-{base + 4 * PAGE:#x} in pid {os.getpid()}" in arena_log.text
     view = arena.view(arena.reserve(PAGE), (PAGE,), torch.uint8)
     with pytest.raises(RuntimeError, match="live views"):
         arena.close()
     del view
-    with caplog.at_level(logging.INFO, logger=arena_mod.__name__):
-        arena.close()
-        arena.close()
+    arena.close()
+    arena.close()
     assert not _mapped(base)
-    assert caplog.text.count("host arena released: 0.0 MiB unmapped") == 1
+    assert arena_log.text.count("host arena released: 0.0 MiB unmapped") == 1
     with pytest.raises(RuntimeError, match="closed"):
         arena.reserve(PAGE)
 

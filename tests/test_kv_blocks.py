@@ -6,7 +6,9 @@ Four layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own wo
 project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
 spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
 each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
-three at a time).
+three at a time). Every repro case has a twin through the project's own `check-kv` on the configs under
+tests/fixtures (DeepSeek-V4-Flash, V4.1-Flash, Qwen3-30B-A3B: public config.json values), so a bare clone,
+without ../shared, checks the same layouts with the fix on and reproduces the same upstream errors with it off.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ from vllm_expert_offload.integration.kv.rules import (
 _SHARED_REPRO = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "kv-plan-repro" / "kv_plan_repro.py"
 REPRO = Path(os.environ.get("KV_PLAN_REPRO", str(_SHARED_REPRO)))
 REPRO41 = REPRO.parent / "kv41_plan_repro.py"
-# DeepSeek-V4.1-Flash's public config.json geometry (40 layers, compress ratios 0/1/2), carried by the project.
-DSV41_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "deepseek_v41_flash"
+# Public config.json values carried by the project: DeepSeek-V4.1-Flash (40 layers, compress ratios 0/1/2),
+# DeepSeek-V4-Flash (43 layers, ratios 0/4/128, the repro's dsv4_flash) and Qwen3-30B-A3B (its qwen3moe).
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+DSV41_FIXTURE = FIXTURES / "deepseek_v41_flash"
+DSV4_FIXTURE = FIXTURES / "deepseek_v4_flash"
+QWEN_FIXTURE = FIXTURES / "qwen3_30b_a3b"
 DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
 DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
 CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
@@ -401,7 +407,7 @@ DSV41_BACKENDS = [("flashinfer_sm120", 120), ("flashinfer", 100), ("mega", 100),
 
 def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
     """A DeepSeek-V4-Flash config.json with another layer pattern."""
-    config = json.loads((REPRO.parent / "dsv4_flash" / "config.json").read_text())
+    config = json.loads((DSV4_FIXTURE / "config.json").read_text())
     config.update(num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1))
@@ -416,14 +422,12 @@ def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
     """Every subprocess this module needs, three at a time; keyed by case, "+plugin" with the plugins loaded."""
     if not REPRO.exists():
-        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
+        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO); its check-kv twins below run without it")
     data = tmp_path_factory.mktemp("data")
     repro = [sys.executable, str(REPRO)]
     cases = {
         "flash+plugin": [*repro, "--plugins", "--block-sizes", "32,64,128,256", "--expect-ok", "32,64,128,256"],
         "flash": [*repro, "--block-sizes", "64,128", "--expect-ok", "64,128"],
-        "check-kv fix off": [sys.executable, "-m", "vllm_expert_offload.cli", "check-kv",
-                             str(REPRO.parent / "dsv4_flash"), "--block-size", "64"],
     }
     repro41 = [sys.executable, str(REPRO41), "--avail-gib", "32"]
     for attn, cap in DSV41_BACKENDS:
@@ -436,7 +440,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
         cases[f"{name}+plugin"] = [*pattern, "--plugins", "--block-sizes", "64,128", "--expect-ok", "64,128"]
         cases[name] = [*pattern, "--block-sizes", "64", "--expect-ok", "64"]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_EXPERT_OFFLOAD_KV_FIX")}
-    envs = {name: env for name in cases} | {"check-kv fix off": env | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}}
+    envs = {name: env for name in cases}
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(_run, command, envs[name]) for name, command in cases.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -493,21 +497,104 @@ def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
     assert "ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])." in run.stdout
 
 
-def test_check_kv_reports_the_upstream_error_with_the_fix_off(runs) -> None:
-    run = runs["check-kv fix off"]
-    assert run.returncode == 1, _output(run)[-4000:]
-    assert "KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)" in run.stdout
-    assert "compression 128, page 0 B" in run.stdout
-    assert "FAILED at engine planning: ZeroDivisionError" in run.stdout
 
 
 def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
-    if not REPRO.exists():
-        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO)")
     model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
     assert check_kv_cmd.run(_check_kv_args(model, 128, tp=2)) == 0
     out = capsys.readouterr().out
     assert "KV block-size fix on" in out and out.rstrip().endswith("OK")
     assert "block 256, kernel 256, page 1728/8640/37440 B [FLASHMLA_SPARSE_DSV4, DEEPSEEK_V4_INDEXER]" in out
+
+
+# ---------------------------------------------------------------- the repro's cases through check-kv (a bare clone)
+
+
+def _group_blocks(out: str) -> list[int]:
+    """The planned block size of each KV-cache group, in group order, from check-kv's report."""
+    return [int(size) for size in re.findall(r"^  g\d+: \d+ layers, block (\d+)", out, flags=re.MULTILINE)]
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128, 256])
+def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.CaptureFixture, block_size: int) -> None:
+    """Twin of the repro's flash+plugin case: with the fix, the compressed group gets its 256-token pages while
+    the sliding-window groups keep 64 and the compressor states 4 and 8, whatever --block-size asks."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV4_FIXTURE, block_size)) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek_v4, --block-size {block_size}, --tp 1" in out and out.rstrip().endswith("OK"), out
+    assert _group_blocks(out) == [64, 64, 256, 4, 8], out
+    assert "g2: 62 layers, block 256, kernel 256, page 1728/8640/37440 B [DEEPSEEK_V4_INDEXER, FLASHMLA_SPARSE_DSV4]" in out
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
+                                           block_size: int) -> None:
+    """Twin of the repro's c128_first+plugin and more_layers+plugin cases: other layer orders plan too."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    model = _dsv4_config(tmp_path / pattern, PATTERNS[pattern])
+    assert check_kv_cmd.run(_check_kv_args(model, block_size)) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and 256 in _group_blocks(out), out
+    assert "compression 128, page 0 B" not in out  # the upstream planning's empty ratio-128 page
+
+
+@pytest.mark.parametrize(("requested", "planned"), [(16, 32), (32, 32), (64, 64), (128, 128), (256, 256)])
+def test_check_kv_plans_qwen_on_the_cpu_backend(kv_blocks, capsys: pytest.CaptureFixture, requested: int,
+                                                planned: int) -> None:
+    """Twin of the repro's Qwen3-MoE summary: CPU_ATTN takes multiples of 32, so 16 is raised to 32 (upstream
+    refuses it, see the fix-off test below) and every multiple of 32 is kept."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(QWEN_FIXTURE, requested, backend="CPU_ATTN")) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and _group_blocks(out) == [planned], out
+    assert f"g0: 48 layers, block {planned}, kernel {planned}," in out
+
+
+# (model, --block-size, extra check-kv arguments) -> what upstream vLLM says; checked in one subprocess.
+UPSTREAM_CASES = {
+    "flash 64": ("deepseek_v4_flash", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "flash 128": ("deepseek_v4_flash", 128, [],
+                  "FAILED at worker kernel blocks: ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])."),
+    "c128_first 64": ("c128_first", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "more_layers 64": ("more_layers", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "qwen 16": ("qwen3_30b_a3b", 16, ["--attention-backend", "CPU_ATTN"],
+                "FAILED at worker kernel blocks: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."),
+}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """check-kv's report per UPSTREAM_CASES entry with VLLM_EXPERT_OFFLOAD_KV_FIX=0 (a subprocess: the fix is
+    installed in this one)."""
+    data = tmp_path_factory.mktemp("patterns")
+    models = {"deepseek_v4_flash": DSV4_FIXTURE, "qwen3_30b_a3b": QWEN_FIXTURE}
+    models |= {name: _dsv4_config(data / name, ratios) for name, ratios in PATTERNS.items()}
+    cases = [[name, str(models[model]), size, extra] for name, (model, size, extra, _) in UPSTREAM_CASES.items()]
+    script = (
+        "import json, sys; from vllm_expert_offload.cli import main\n"
+        "for name, model, size, extra in json.loads(sys.argv[1]):\n"
+        "    print(f'=== {name}', flush=True)\n"
+        "    print('exit', main(['check-kv', model, '--block-size', str(size), *extra]), flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
+    run = _run([sys.executable, "-c", script, json.dumps(cases)], env)
+    assert run.returncode == 0, _output(run)[-4000:]
+    parts = run.stdout.split("=== ")[1:]
+    return {part.split("\n", 1)[0]: part for part in parts}
+
+
+@pytest.mark.parametrize("case", list(UPSTREAM_CASES))
+def test_check_kv_reproduces_upstream_errors_with_the_fix_off(upstream: dict[str, str], case: str) -> None:
+    """Twins of the repro's runs without the plugin and of its V4 worker failure at 128: vLLM's own errors."""
+    out = upstream[case]
+    assert "KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)" in out and "exit 1" in out, out
+    assert UPSTREAM_CASES[case][3] in out, out
+    if case == "flash 64":
+        assert "compression 128, page 0 B" in out  # why planning divides by zero

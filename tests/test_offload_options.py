@@ -82,7 +82,7 @@ def test_crash_line_counts_the_activation_headroom_as_taken() -> None:
 
 
 def test_crash_line_advice_follows_an_explicit_kv_cache_size() -> None:
-    with pytest.raises(CrashLineError, match=f"--kv-cache-memory to {20 * GIB - 2 * GIB} or less"):
+    with pytest.raises(CrashLineError, match=f"--kv-cache-memory-bytes to {20 * GIB - 2 * GIB} or less"):
         check_crash_line(free_bytes=1 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
                          gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB], kv_cache_memory_bytes=20 * GIB)
 

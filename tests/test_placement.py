@@ -1,6 +1,7 @@
 """Placement layer (vllm_expert_offload.placement): planner optimality and limits, plan files, ledger, routing stats.
 
-Pure numpy; the real-data tests read ../shared/data/routing in place and skip when it is absent.
+Pure numpy; the real-data tests read ../shared/data/routing in place and skip when it is absent; each has a twin on
+routing data generated in code (tests/routing_fixtures.py) that runs on a bare clone.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from vllm_expert_offload.placement import (
 )
 from vllm_expert_offload.placement import planner as planner_module
 
+from routing_fixtures import synthetic_routing, write_every_format
+
 ROUTING = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "routing"
-needs_routing = pytest.mark.skipif(not ROUTING.is_dir(), reason=f"shared routing data not present at {ROUTING}")
+needs_routing = pytest.mark.skipif(
+    not ROUTING.is_dir(), reason=f"shared routing data not present at {ROUTING}; the generated-data twins run without it"
+)
 
 
 def random_instance(rng: np.random.Generator, layers: int, experts: int, mixed: bool):
@@ -332,3 +337,76 @@ def test_directory_load_skips_non_routing_files():
     found = load_routing_dataset(ROUTING / "OLMoE")
     assert found and all(isinstance(v, RoutingCounts) for v in found.values())
     assert not any("crosslayer" in key for key in found)  # pair counts are not per-expert counts
+
+
+# --- generated routing data (a bare clone) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    data = synthetic_routing(seed=12, moe_layers=(1, 3, 5, 7, 9, 11))
+    return data, write_every_format(tmp_path_factory.mktemp("routing"), data)
+
+
+def test_reads_every_routing_format_from_generated_data(synthetic):
+    """The same readers as test_reads_every_shared_routing_format, checked against the trace they were written from."""
+    data, files = synthetic
+    trace, counts = data.trace, data.trace.total().counts
+
+    def one(kind: str, **kwargs):
+        (found,) = load_routing_dataset(files[kind], **kwargs).values()
+        return found
+
+    for kind in ("npz counts", "npz float counts", "json counts"):
+        loaded = one(kind)
+        assert isinstance(loaded, RoutingCounts) and np.array_equal(loaded.counts, counts), kind
+    assert one("npz float counts").moe_layers == one("json counts").moe_layers == trace.moe_layers
+    assert one("npz counts").moe_layers == tuple(range(6))  # no layer ids stored: rows numbered
+    npz_trace = one("npz trace", num_experts=trace.num_experts)
+    assert np.array_equal(npz_trace.expert_ids, trace.expert_ids)
+    assert np.array_equal(npz_trace.segment_offsets, trace.segment_offsets)
+    assert (npz_trace.segment_names, npz_trace.moe_layers) == (trace.segment_names, trace.moe_layers)
+    per_prompt = one("npz segmented")
+    assert isinstance(per_prompt, SegmentedCounts) and per_prompt.segment_names == trace.segment_names
+    assert np.array_equal(per_prompt.counts, trace.segmented().counts)
+    first = trace.select([0])
+    csv_trace = one("csv trace", num_experts=trace.num_experts)
+    assert np.array_equal(csv_trace.expert_ids, first.expert_ids) and csv_trace.moe_layers == trace.moe_layers
+    assert np.array_equal(csv_trace.total().counts, per_prompt.total([0]).counts)
+    frequencies = load_routing_dataset(files["csv frequencies"])
+    assert sorted(k.rsplit("/", 1)[1] for k in frequencies) == ["English", "Hebrew"]
+    scale = 1e6 / len(trace.expert_ids)  # fractions of tokens, read back per million tokens
+    english = next(v for k, v in frequencies.items() if k.endswith("English"))
+    assert np.allclose(english.counts, counts * scale, atol=1) and english.moe_layers == trace.moe_layers
+    jsonl = one("jsonl trace", num_experts=trace.num_experts)
+    assert jsonl.segment_names == tuple(f"gsm8k/{name}" for name in trace.segment_names)
+    kept = np.concatenate([trace.expert_ids[a:b - 1] for a, b in zip(trace.segment_offsets, trace.segment_offsets[1:])])
+    assert np.array_equal(jsonl.expert_ids, kept)  # each problem's last token lacked a layer: dropped
+
+
+def test_directory_load_skips_non_routing_generated_files(synthetic):
+    data, files = synthetic
+    found = load_routing_dataset(files["npz counts"].parent.parent, num_experts=data.trace.num_experts)
+    assert len(found) == 9  # 8 formats, the frequency file holding two languages
+    assert not any("crosslayer" in key or "README" in key for key in found)
+
+
+def test_generated_routing_is_skewed_and_planning_on_it_pays():
+    """A plan from one half of the prompts keeps more of the other half's expert reads on the GPU than a
+    countless plan of the same budget, and than the GPU's share of the bytes: the property planning rests on."""
+    trace = synthetic_routing(seed=3, layers=8, experts=64, top_k=4, segment_tokens=(200,) * 8).trace
+    segmented = trace.segmented()
+    seen, unseen = segmented.total(slice(0, 4)).counts, segmented.total(slice(4, 8)).counts
+    top8 = np.sort(unseen, axis=1)[:, ::-1][:, :8].sum() / unseen.sum()
+    assert top8 > 0.4  # an eighth of the experts carry over 40 % of the selections: Zipf-like, not uniform
+    sizes = np.full(unseen.shape, 1000)
+    budget = sizes.sum() // 4
+    informed, countless = plan_placement(sizes, budget, seen), plan_placement(sizes, budget)
+    assert (sizes * informed).sum() <= budget and informed.sum() == countless.sum() == unseen.size // 4
+
+    def gpu_share(plan: np.ndarray) -> float:
+        return float(unseen[plan].sum() / unseen.sum())
+
+    assert gpu_share(informed) > 0.55 and gpu_share(countless) < 0.35  # a quarter of the bytes: ~0.25 blind
+    assert np.array_equal(synthetic_routing(seed=3, layers=8, experts=64, segment_tokens=(200,) * 8).trace.expert_ids,
+                          trace.expert_ids)  # fixed seed: the same data on every machine

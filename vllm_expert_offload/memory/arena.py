@@ -36,7 +36,9 @@ import torch
 from . import _cuda_host
 from .topology import format_cpulist, node_free_bytes, online_numa_nodes
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger, as in the rest of the package: its handlers are the only ones a vLLM process has, so the
+# mapping and release lines reach the server log.
+logger = logging.getLogger("vllm.expert_offload.arena")
 
 RECORD_ALIGNMENT = 4096  # page size: records never share a page, and every record suits any vector load
 MPOL_PREFERRED = 1
@@ -116,6 +118,9 @@ class HostArena:
         self._finalizer = weakref.finalize(
             self, _release, self._mmap, self._host_base, self._capacity, self.device.type == "cuda"
         )
+        # Where to look in /proc/<pid>/maps: with the release line, the evidence that shutdown unmapped it.
+        logger.info("host arena mapped: %.1f MiB at %#x-%#x in pid %d", self._capacity / 2**20, self._host_base,
+                    self._host_base + self._capacity, os.getpid())
 
     def _bind(self, node: int | None) -> int | None:
         """The node the buffer is bound to, or None when binding was not requested or is moot."""

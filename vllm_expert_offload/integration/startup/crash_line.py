@@ -36,7 +36,7 @@ def check_crash_line(
 
     Two ways out, both stated with numbers: a smaller KV cache (vLLM sizes it as utilization x total minus
     weights, activations and graphs, so lowering --gpu-memory-utilization by shortfall/total shrinks it by the
-    shortfall; with --kv-cache-memory the size is given directly), or that many more experts in the host tier
+    shortfall; with --kv-cache-memory-bytes the size is given directly), or that many more experts in the host tier
     (largest GPU-tier experts first)."""
     need = int(min_free_fraction * total_bytes)
     margin = free_bytes - activation_headroom
@@ -44,7 +44,7 @@ def check_crash_line(
     if short <= 0:
         return
     if kv_cache_memory_bytes is not None:
-        kv_advice = f"Lower --kv-cache-memory to {max(0, kv_cache_memory_bytes - short)} or less"
+        kv_advice = f"Lower --kv-cache-memory-bytes to {max(0, kv_cache_memory_bytes - short)} or less"
     else:
         utilization = max(0.0, gpu_memory_utilization - short / total_bytes)
         kv_advice = f"Lower --gpu-memory-utilization to {utilization:.3f} or less"
