@@ -69,7 +69,6 @@ class Exl3Config(QuantizationConfig):
         self.kernels: KernelChoice | None = None
         self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
         self._checkpoint_names: dict[str, str] | None = None
-        self._served_checked = False
 
     def __getattr__(self, name: str) -> Any:
         """Global attributes of the delegate that models read from the quant config (`weight_block_size`,
@@ -150,9 +149,12 @@ class Exl3Config(QuantizationConfig):
 
     def kernel_choice(self, device: torch.device) -> KernelChoice:
         """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
-        asked for that cannot run is refused here, before any weight is loaded."""
+        asked for that cannot run, or a configuration that bypasses the EXL3 methods, is refused here, before any
+        weight is loaded."""
         if self.kernels is None:
-            options = parse_offload_options(get_current_vllm_config().additional_config)
+            vllm_config = get_current_vllm_config()
+            refuse_unservable(vllm_config)
+            options = parse_offload_options(vllm_config.additional_config)
             self.kernels = choose_kernels(options.kernel, device, options.dequantize_linears)
             log_choice(self.kernels)
         return self.kernels
@@ -191,9 +193,6 @@ class Exl3Config(QuantizationConfig):
         from .moe_method import LAYER_INDEX, Exl3MoEMethod
 
         contract = self.quant.contract
-        if not self._served_checked:
-            refuse_unservable(get_current_vllm_config())
-            self._served_checked = True
         if isinstance(layer, RoutedExperts):
             match = LAYER_INDEX.search(prefix)
             if contract is not None and match and contract.source_experts(int(match.group(1))):
