@@ -128,6 +128,10 @@ void exl3_matmul_cpu(const at::Tensor& a, const at::Tensor& row_ids, const at::T
   }
 }
 
+at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, const at::Tensor& values);  // exl3_viterbi.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_matmul_cpu", &exl3_matmul_cpu, "EXL3 matmul over a pointer table on the CPU");
+  m.def("exl3_viterbi_cpu", &exl3_viterbi_cpu, py::call_guard<py::gil_scoped_release>(),
+        "Tail-biting Viterbi trellis states for (tiles, 256) fp32 targets, as exl3/encode.py's torch encoder");
 }

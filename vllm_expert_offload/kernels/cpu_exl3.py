@@ -1,4 +1,5 @@
-"""The compiled CPU kernel (csrc/exl3_cpu.cpp): the EXL3 matmul over pointer tables, built on first use.
+"""The compiled CPU kernels (csrc/): the EXL3 matmul over pointer tables and the encoder's Viterbi search,
+one extension built on first use.
 
 Built with torch's C++ extension loader into its per-user cache (once per machine and source version; a
 second process waits on the build lock and loads the result), with -march=native because it is built where
@@ -19,7 +20,8 @@ from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend
 
 logger = logging.getLogger("vllm.expert_offload")
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "exl3_cpu.cpp"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_viterbi.cpp")
 BLOCK_M = 32  # rows that share one decode of each tile
 
 
@@ -28,23 +30,25 @@ class CpuKernelUnavailable(RuntimeError):
 
 
 @functools.cache
-def _extension():
-    if not SOURCE.is_file():
-        raise CpuKernelUnavailable(f"its C++ source {SOURCE} is not part of this installation (install from source)")
+def extension():
+    """The loaded extension module (built on the first call), or CpuKernelUnavailable saying why not."""
+    missing = [str(path) for path in SOURCES if not path.is_file()]
+    if missing:
+        raise CpuKernelUnavailable(f"its C++ sources {missing} are not part of this installation (install from source)")
     from torch.utils.cpp_extension import load
 
-    logger.info("building the EXL3 CPU kernel from %s (once per machine and source version)", SOURCE)
+    logger.info("building the EXL3 CPU kernels from %s (once per machine and source version)", CSRC)
     try:
-        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCE)],
+        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(path) for path in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean the same to the caller
-        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {type(exc).__name__}: {exc}") from exc
+        raise CpuKernelUnavailable(f"building {CSRC.name}/ failed: {type(exc).__name__}: {exc}") from exc
 
 
 def cpu_kernel_unavailable() -> str | None:
     """None when the CPU kernel is built and loadable, else why not (the build is attempted once)."""
     try:
-        _extension()
+        extension()
     except CpuKernelUnavailable as exc:
         return str(exc)
     return None
@@ -61,7 +65,7 @@ def launch_cpu_matmul(
     a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
 ) -> None:
     """out[row] = a[row] @ W_hat[matrix of row's block] (same contract as the Triton launcher), fp32."""
-    _extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
+    extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
                                  _codebook_values(), table.in_features, table.out_features, BLOCK_M, out)
 
 
