@@ -9,9 +9,11 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
-#include <limits>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -20,117 +22,127 @@ constexpr int kStateBits = 16;
 constexpr int kStates = 1 << kStateBits;
 constexpr int kPositions = 256;
 constexpr int kPass1Rotation = kPositions / 2;  // encode.py PASS1_ROTATION
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr int kLanes = 16;                      // edges one block keeps in registers (GCC vector extension)
+
+using Floats = float __attribute__((vector_size(kLanes * sizeof(float))));
+using Ints = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 struct Workspace {
-  // Two cost rows swapped per position, the per-edge minima, and one backpointer row per position >= 1 sized
-  // for the largest edge count (D = 1), so fractional K's mixed D needs no offsets table.
-  std::vector<float> cost = std::vector<float>(kStates), spare = std::vector<float>(kStates);
-  std::vector<float> edge = std::vector<float>(kStates / 2);
+  // Per-edge minima of the previous and current position (kLanes of padding: a block loads a whole vector
+  // from its last edge), and one backpointer row per position >= 1 sized for the largest edge count (D = 1),
+  // so fractional K's mixed D needs no offsets table.
+  std::vector<float> edge = std::vector<float>(kStates / 2 + kLanes);
+  std::vector<float> next_edge = std::vector<float>(kStates / 2 + kLanes);
   std::vector<uint8_t> back = std::vector<uint8_t>(static_cast<size_t>(kPositions - 1) * (kStates / 2));
   int64_t states[kPositions];
 };
 
-// out[s] = fma(values[s], x2, squares[s]) + edge[s >> D]: states (e << D) | code share the edge e.
-template <int D>
-void add_position_cost(float* out, const float* edge, const float* values, const float* squares, float x2) {
-  constexpr int codes = 1 << D, edges = kStates >> D;
-  for (int e = 0; e < edges; ++e) {
-    const float base = edge[e];
-#pragma omp simd
-    for (int c = 0; c < codes; ++c) {
-      const int s = e * codes + c;
-      out[s] = std::fma(values[s], x2, squares[s]) + base;
-    }
-  }
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-// edge[e] = min over t of cost[t * 2^(16-D) + e] and back[e] = its t (largest on ties; NaN and t = 0 when any
-// is NaN), as encode.py's _edge_min. Rows of the cost are walked in order so the e loop vectorises.
-template <int D>
-void edge_min(const float* cost, float* edge, uint8_t* back) {
+// The reference's cost of state s at a position: addcmul(values^2, values, -2x) + edge cost of s's edge.
+// value^2 is exact for fp16 values, so squaring here equals the reference's precomputed squares.
+inline float state_cost(float value, float x2, float edge) { return std::fma(value, x2, value * value) + edge; }
+
+inline Floats state_costs(Floats values, float x2, Floats edges) {
+  Floats fused;
+  for (int l = 0; l < kLanes; ++l) fused[l] = std::fma(values[l], x2, values[l] * values[l]);  // vfmadd
+  return fused + edges;
+}
+
+// One trellis position, never materialising its 65536 costs: state s = t * 2^(16-D) + e of the previous
+// position (whose own edge is s >> Dp) costs state_cost(values[s], x2, prev_edge[s >> Dp]), and edge[e] keeps
+// the minimum over t with back[e] = its t, as encode.py's _edge_min (ties to the largest t; NaN and t = 0 when
+// any is NaN). A block of kLanes edges walks all t with its minima in registers; its kLanes states' previous
+// edges are one vector load permuted by lane >> Dp (a broadcast for Dp >= 4).
+template <int Dp, int D>
+void step(const float* prev_edge, float x2, const float* values, float* edge, uint8_t* back) {
   constexpr int tops = 1 << D, edges = kStates >> D;
-  for (int e = 0; e < edges; ++e) {
-    edge[e] = cost[e];
-    back[e] = 0;
-  }
-  for (int t = 1; t < tops; ++t) {
-    const float* row = cost + t * edges;
-#pragma omp simd
-    for (int e = 0; e < edges; ++e) {
-      const float c = row[e];
-      const bool take = c <= edge[e] || c != c;  // once NaN, edge[e] stays NaN: nothing compares <= it
-      edge[e] = take ? c : edge[e];
-      back[e] = take ? static_cast<uint8_t>(t) : back[e];
+  Ints lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  const Ints spread = lane >> Dp;
+  for (int e0 = 0; e0 < edges; e0 += kLanes) {
+    Floats best = Floats{} + INFINITY;
+    Ints arg = {}, nan = {};  // NaN is tracked beside the compare-select chain, which is the loop's latency
+    for (int t = 0; t < tops; ++t) {
+      const int s0 = t * edges + e0;
+      const Floats c = state_costs(load(values + s0), x2, __builtin_shuffle(load(prev_edge + (s0 >> Dp)), spread));
+      const Ints take = c <= best;
+      best = take ? c : best;
+      arg = take ? Ints{} + t : arg;
+      nan |= c != c;
     }
+    best = nan ? Floats{} + NAN : best;
+    arg = nan ? Ints{} : arg;
+    std::memcpy(edge + e0, &best, sizeof best);
+    for (int l = 0; l < kLanes; ++l) back[e0 + l] = static_cast<uint8_t>(arg[l]);
   }
-  for (int e = 0; e < edges; ++e) back[e] = edge[e] != edge[e] ? 0 : back[e];
 }
 
-template <int D>
-void step(const float* cost, float* next, float* edge, uint8_t* back, const float* values, const float* squares,
-          float x2) {
-  edge_min<D>(cost, edge, back);
-  add_position_cost<D>(next, edge, values, squares, x2);
+using StepFn = void (*)(const float*, float, const float*, float*, uint8_t*);
+
+template <int... I>
+constexpr std::array<StepFn, sizeof...(I)> step_table(std::integer_sequence<int, I...>) {
+  return {{&step<I / 8 + 1, I % 8 + 1>...}};
 }
+constexpr auto kSteps = step_table(std::make_integer_sequence<int, 64>{});  // [8 * (Dp - 1) + D - 1]
 
-using StepFn = void (*)(const float*, float*, float*, uint8_t*, const float*, const float*, float);
-using AddFn = void (*)(float*, const float*, const float*, const float*, float);
-constexpr StepFn kSteps[9] = {nullptr, step<1>, step<2>, step<3>, step<4>, step<5>, step<6>, step<7>, step<8>};
-constexpr AddFn kAdds[9] = {nullptr, add_position_cost<1>, add_position_cost<2>, add_position_cost<3>,
-                            add_position_cost<4>, add_position_cost<5>, add_position_cost<6>,
-                            add_position_cost<7>, add_position_cost<8>};
-
-// First index of the minimum of v[i * stride], i < n, a NaN counting as smaller than everything (torch.argmin).
-int first_argmin(const float* v, int n, int stride) {
-  int best = 0;
+// First index of the minimum of the last position's costs over states first + i * stride, i < n, a NaN
+// counting as smaller than everything (torch.argmin).
+int64_t last_argmin(const float* edge, int d, float x2, const float* values, int64_t first, int n, int stride) {
+  int64_t best = 0;
+  float best_cost = 0.0f;
   for (int i = 0; i < n; ++i) {
-    const float c = v[i * stride];
+    const int64_t s = first + static_cast<int64_t>(i) * stride;
+    const float c = state_cost(values[s], x2, edge[s >> d]);
     if (c != c) return i;
-    if (c < v[best * stride]) best = i;
+    if (i == 0 || c < best_cost) best = i, best_cost = c;
   }
   return best;
 }
 
 // encode.py's _viterbi over one tile: x and bits in the pass's position order; start_edge < 0 leaves both
 // ends free, else forces position 0's edge and closes the ring on it. Writes ws.states.
-void viterbi_pass(const float* x, const int32_t* bits, int start_edge, const float* values, const float* squares,
-                  Workspace& ws) {
-  float* cost = ws.cost.data();
-  float* spare = ws.spare.data();
+void viterbi_pass(const float* x, const int32_t* bits, int start_edge, const float* values, Workspace& ws) {
+  float* edge = ws.edge.data();
+  float* next = ws.next_edge.data();
   const int start_edges = kStates >> bits[0];
-  for (int e = 0; e < start_edges; ++e) ws.edge[e] = start_edge < 0 || e == start_edge ? 0.0f : INFINITY;
-  kAdds[bits[0]](cost, ws.edge.data(), values, squares, -2.0f * x[0]);
+  for (int e = 0; e < start_edges; ++e) edge[e] = start_edge < 0 || e == start_edge ? 0.0f : INFINITY;
   for (int i = 1; i < kPositions; ++i) {
     uint8_t* back = ws.back.data() + static_cast<size_t>(i - 1) * (kStates / 2);
-    kSteps[bits[i]](cost, spare, ws.edge.data(), back, values, squares, -2.0f * x[i]);
-    std::swap(cost, spare);
+    kSteps[8 * (bits[i - 1] - 1) + bits[i] - 1](edge, -2.0f * x[i - 1], values, next, back);
+    std::swap(edge, next);
   }
-  int64_t state = start_edge < 0 ? first_argmin(cost, kStates, 1)
-                                 : static_cast<int64_t>(first_argmin(cost + start_edge, 1 << bits[0], start_edges)) *
-                                           start_edges + start_edge;
+  const int d_last = bits[kPositions - 1];
+  const float x2_last = -2.0f * x[kPositions - 1];
+  int64_t state = start_edge < 0
+                      ? last_argmin(edge, d_last, x2_last, values, 0, kStates, 1)
+                      : last_argmin(edge, d_last, x2_last, values, start_edge, 1 << bits[0], start_edges) *
+                                start_edges + start_edge;
   ws.states[kPositions - 1] = state;
   for (int i = kPositions - 1; i > 0; --i) {
-    const int64_t edge = state >> bits[i];
-    const int64_t top = ws.back[static_cast<size_t>(i - 1) * (kStates / 2) + edge];
-    state = (top << (kStateBits - bits[i])) | edge;
+    const int64_t e = state >> bits[i];
+    const int64_t top = ws.back[static_cast<size_t>(i - 1) * (kStates / 2) + e];
+    state = (top << (kStateBits - bits[i])) | e;
     ws.states[i - 1] = state;
   }
 }
 
 // encode.py's _tail_biting_viterbi: a free pass over the ring rotated by half finds position 0's in-edge, the
 // second pass starts on it and closes the ring.
-void encode_tile(const float* x, const int32_t* bits, const float* values, const float* squares, Workspace& ws,
-                 int64_t* out) {
+void encode_tile(const float* x, const int32_t* bits, const float* values, Workspace& ws, int64_t* out) {
   float rotated_x[kPositions];
   int32_t rotated_bits[kPositions];
   for (int i = 0; i < kPositions; ++i) {
     rotated_x[i] = x[(i + kPass1Rotation) % kPositions];
     rotated_bits[i] = bits[(i + kPass1Rotation) % kPositions];
   }
-  viterbi_pass(rotated_x, rotated_bits, -1, values, squares, ws);
+  viterbi_pass(rotated_x, rotated_bits, -1, values, ws);
   const int start_edge = static_cast<int>(ws.states[kPositions - kPass1Rotation] >> bits[0]);
-  viterbi_pass(x, bits, start_edge, values, squares, ws);
+  viterbi_pass(x, bits, start_edge, values, ws);
   std::copy(ws.states, ws.states + kPositions, out);
 }
 
@@ -153,15 +165,13 @@ at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, c
   const float* x = targets.data_ptr<float>();
   const float* values_data = values.data_ptr<float>();
   int64_t* out_data = out.data_ptr<int64_t>();
-  std::vector<float> squares(kStates);
-  for (int s = 0; s < kStates; ++s) squares[s] = values_data[s] * values_data[s];  // exact: fp16 values
 
 #pragma omp parallel
   {
     Workspace ws;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles; ++t) {
-      encode_tile(x + t * kPositions, bits_data, values_data, squares.data(), ws, out_data + t * kPositions);
+      encode_tile(x + t * kPositions, bits_data, values_data, ws, out_data + t * kPositions);
     }
   }
   return out;
