@@ -128,7 +128,8 @@ void exl3_matmul_cpu(const at::Tensor& a, const at::Tensor& row_ids, const at::T
   }
 }
 
-at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, const at::Tensor& values);  // exl3_viterbi.cpp
+// csrc/exl3_viterbi.cpp
+at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, const at::Tensor& values);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_matmul_cpu", &exl3_matmul_cpu, "EXL3 matmul over a pointer table on the CPU");
