@@ -53,32 +53,82 @@ inline Floats state_costs(Floats values, float x2, Floats edges) {
   return fused + edges;
 }
 
+struct Values {
+  // The codebook values by state, and for each D in use blocked so that a block of kLanes edges finds its
+  // states t * 2^(16-D) + e0 + l, all t, in one contiguous run: blocked[D][e0 * 2^D + t * kLanes + l]. Rows
+  // 2^(18-D) bytes apart would share L1 sets and evict each other (D = 4 ran at half speed).
+  const float* by_state;
+  std::array<std::vector<float>, 9> blocked;
+};
+
+Values blocked_values(const float* by_state, const int32_t* bits) {
+  Values values{by_state, {}};
+  for (int i = 0; i < kPositions; ++i) {
+    const int d = bits[i], tops = 1 << d, edges = kStates >> d;
+    std::vector<float>& block = values.blocked[d];
+    if (!block.empty()) continue;
+    block.resize(kStates);
+    for (int t = 0; t < tops; ++t) {
+      for (int e = 0; e < edges; ++e) {
+        block[e / kLanes * kLanes * tops + t * kLanes + e % kLanes] = by_state[t * edges + e];
+      }
+    }
+  }
+  return values;
+}
+
+// The running minimum of kLanes edges over candidates in increasing t: ties go to the later t, and a NaN
+// anywhere makes the edge NaN with t = 0 (encode.py's _edge_min: amin, then the largest t equal to it).
+struct LaneMin {
+  Floats best = Floats{} + INFINITY;
+  Ints arg = {}, nan = {};  // NaN is tracked beside the compare-select chain, which sets the loop's latency
+
+  void add(Floats cost, int t) {
+    const Ints take = cost <= best;
+    best = take ? cost : best;
+    arg = take ? Ints{} + t : arg;
+    nan |= cost != cost;
+  }
+
+  // Folds in a minimum over later t than all of this one's.
+  void merge_later(const LaneMin& later) {
+    const Ints take = later.best <= best;
+    best = take ? later.best : best;
+    arg = take ? later.arg : arg;
+    nan |= later.nan;
+  }
+
+  void store(float* edge, uint8_t* back) const {
+    const Floats out = nan ? Floats{} + NAN : best;
+    const Ints out_arg = nan ? Ints{} : arg;
+    std::memcpy(edge, &out, sizeof out);
+    for (int l = 0; l < kLanes; ++l) back[l] = static_cast<uint8_t>(out_arg[l]);
+  }
+};
+
 // One trellis position, never materialising its 65536 costs: state s = t * 2^(16-D) + e of the previous
 // position (whose own edge is s >> Dp) costs state_cost(values[s], x2, prev_edge[s >> Dp]), and edge[e] keeps
-// the minimum over t with back[e] = its t, as encode.py's _edge_min (ties to the largest t; NaN and t = 0 when
-// any is NaN). A block of kLanes edges walks all t with its minima in registers; its kLanes states' previous
-// edges are one vector load permuted by lane >> Dp (a broadcast for Dp >= 4).
+// the minimum over t with back[e] = its t. A block of kLanes edges walks all t with its minima in registers,
+// the lower and upper half of t in two chains so their compare latencies overlap; its states' previous edges
+// are one vector load permuted by lane >> Dp (a broadcast for Dp >= 4).
 template <int Dp, int D>
-void step(const float* prev_edge, float x2, const float* values, float* edge, uint8_t* back) {
-  constexpr int tops = 1 << D, edges = kStates >> D;
+void step(const float* prev_edge, float x2, const float* blocked_values, float* edge, uint8_t* back) {
+  constexpr int tops = 1 << D, half = tops / 2, edges = kStates >> D;
   Ints lane;
   for (int l = 0; l < kLanes; ++l) lane[l] = l;
   const Ints spread = lane >> Dp;
+  const auto cost = [&](int e0, int t) {
+    const Floats edges_in = __builtin_shuffle(load(prev_edge + ((t * edges + e0) >> Dp)), spread);
+    return state_costs(load(blocked_values + e0 * tops + t * kLanes), x2, edges_in);
+  };
   for (int e0 = 0; e0 < edges; e0 += kLanes) {
-    Floats best = Floats{} + INFINITY;
-    Ints arg = {}, nan = {};  // NaN is tracked beside the compare-select chain, which is the loop's latency
-    for (int t = 0; t < tops; ++t) {
-      const int s0 = t * edges + e0;
-      const Floats c = state_costs(load(values + s0), x2, __builtin_shuffle(load(prev_edge + (s0 >> Dp)), spread));
-      const Ints take = c <= best;
-      best = take ? c : best;
-      arg = take ? Ints{} + t : arg;
-      nan |= c != c;
+    LaneMin low, high;
+    for (int t = 0; t < half; ++t) {
+      low.add(cost(e0, t), t);
+      high.add(cost(e0, t + half), t + half);
     }
-    best = nan ? Floats{} + NAN : best;
-    arg = nan ? Ints{} : arg;
-    std::memcpy(edge + e0, &best, sizeof best);
-    for (int l = 0; l < kLanes; ++l) back[e0 + l] = static_cast<uint8_t>(arg[l]);
+    low.merge_later(high);
+    low.store(edge + e0, back + e0);
   }
 }
 
@@ -106,21 +156,21 @@ int64_t last_argmin(const float* edge, int d, float x2, const float* values, int
 
 // encode.py's _viterbi over one tile: x and bits in the pass's position order; start_edge < 0 leaves both
 // ends free, else forces position 0's edge and closes the ring on it. Writes ws.states.
-void viterbi_pass(const float* x, const int32_t* bits, int start_edge, const float* values, Workspace& ws) {
+void viterbi_pass(const float* x, const int32_t* bits, int start_edge, const Values& values, Workspace& ws) {
   float* edge = ws.edge.data();
   float* next = ws.next_edge.data();
   const int start_edges = kStates >> bits[0];
   for (int e = 0; e < start_edges; ++e) edge[e] = start_edge < 0 || e == start_edge ? 0.0f : INFINITY;
   for (int i = 1; i < kPositions; ++i) {
     uint8_t* back = ws.back.data() + static_cast<size_t>(i - 1) * (kStates / 2);
-    kSteps[8 * (bits[i - 1] - 1) + bits[i] - 1](edge, -2.0f * x[i - 1], values, next, back);
+    kSteps[8 * (bits[i - 1] - 1) + bits[i] - 1](edge, -2.0f * x[i - 1], values.blocked[bits[i]].data(), next, back);
     std::swap(edge, next);
   }
   const int d_last = bits[kPositions - 1];
   const float x2_last = -2.0f * x[kPositions - 1];
   int64_t state = start_edge < 0
-                      ? last_argmin(edge, d_last, x2_last, values, 0, kStates, 1)
-                      : last_argmin(edge, d_last, x2_last, values, start_edge, 1 << bits[0], start_edges) *
+                      ? last_argmin(edge, d_last, x2_last, values.by_state, 0, kStates, 1)
+                      : last_argmin(edge, d_last, x2_last, values.by_state, start_edge, 1 << bits[0], start_edges) *
                                 start_edges + start_edge;
   ws.states[kPositions - 1] = state;
   for (int i = kPositions - 1; i > 0; --i) {
@@ -133,7 +183,7 @@ void viterbi_pass(const float* x, const int32_t* bits, int start_edge, const flo
 
 // encode.py's _tail_biting_viterbi: a free pass over the ring rotated by half finds position 0's in-edge, the
 // second pass starts on it and closes the ring.
-void encode_tile(const float* x, const int32_t* bits, const float* values, Workspace& ws, int64_t* out) {
+void encode_tile(const float* x, const int32_t* bits, const Values& values, Workspace& ws, int64_t* out) {
   float rotated_x[kPositions];
   int32_t rotated_bits[kPositions];
   for (int i = 0; i < kPositions; ++i) {
@@ -163,7 +213,7 @@ at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, c
   const int64_t tiles = targets.size(0);
   at::Tensor out = at::empty({tiles, kPositions}, targets.options().dtype(at::kLong));
   const float* x = targets.data_ptr<float>();
-  const float* values_data = values.data_ptr<float>();
+  const Values blocked = blocked_values(values.data_ptr<float>(), bits_data);
   int64_t* out_data = out.data_ptr<int64_t>();
 
 #pragma omp parallel
@@ -171,7 +221,7 @@ at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, c
     Workspace ws;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles; ++t) {
-      encode_tile(x + t * kPositions, bits_data, values_data, ws, out_data + t * kPositions);
+      encode_tile(x + t * kPositions, bits_data, blocked, ws, out_data + t * kPositions);
     }
   }
   return out;

@@ -46,11 +46,10 @@ def _compiled_available() -> None:
 
 
 @pytest.mark.parametrize(("k", "codebook"), CASES, ids=[f"{c.value}-k{k}" for k, c in CASES])
-def test_compiled_states_equal_torch(k: float, codebook: Codebook, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_states_equal_torch(k: float, codebook: Codebook) -> None:
     targets = _stress_tiles(codebook, seed=int(10 * k))
-    compiled = encode_tiles(targets, k, codebook)
-    monkeypatch.setenv(ENCODER_ENV, "torch")
-    reference = encode_tiles(targets, k, codebook)
+    compiled = encode_tiles(targets, k, codebook, encoder="compiled")
+    reference = encode_tiles(targets, k, codebook, encoder="torch")
     assert torch.equal(compiled, reference), (compiled != reference).any(1).nonzero().flatten().tolist()
 
 
@@ -81,8 +80,7 @@ def test_forced_torch_and_unavailable_compiled_are_logged(
     assert encode.compiled_viterbi() is None
     assert "compiled encoder is unavailable: building csrc/ failed: no compiler" in caplog.records[-1].getMessage()
     monkeypatch.setenv(ENCODER_ENV, "compiled")
-    with pytest.raises(cpu_exl3.CpuKernelUnavailable, match="=compiled, but the compiled encoder is not"):
+    with pytest.raises(cpu_exl3.CpuKernelUnavailable, match=f"{ENCODER_ENV}=compiled, but the compiled encoder is not available"):
         encode.compiled_viterbi()
-    monkeypatch.setenv(ENCODER_ENV, "fast")
-    with pytest.raises(ValueError, match="expected one of auto, compiled, torch"):
-        encode.compiled_viterbi()
+    with pytest.raises(ValueError, match="encoder=fast: expected one of auto, compiled, torch"):
+        encode.compiled_viterbi("fast")

@@ -89,14 +89,16 @@ def encode_tiles(
     codebook: Codebook = Codebook.MUL1,
     *,
     progress: Callable[[int], None] | None = None,
+    encoder: str | None = None,
 ) -> torch.Tensor:
     """Best closed trellis path per tile: (T, 256) fp32 targets in ring order -> (T, 256) int64 states.
 
     The states form a consistent ring, so `unpack_states(pack_states(states, k), k) == states` and they decode
     to exactly `codebook_table(codebook)[states]`. `progress(n)` receives the cumulative finished tiles.
+    `encoder` is one of ENCODERS, by default the ENCODER_ENV environment variable's (benchmarks pick both).
     """
     values = codebook_table(codebook).float()
-    compiled = compiled_viterbi()
+    compiled = compiled_viterbi(encoder)
     if compiled is None:
         return _encode_tiles_torch(targets.float(), position_bits(k).tolist(), values, progress)
     bits = position_bits(k).to(torch.int32)
@@ -110,15 +112,18 @@ def encode_tiles(
     return out
 
 
-def compiled_viterbi() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+def compiled_viterbi(
+    encoder: str | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The compiled Viterbi (targets, int32 position bits, fp32 codebook values) -> states, or None when the
     torch one must run, logged once per reason: the extension needs a compiler, and a silent 20x slowdown of
-    `quantize` would look like a hang."""
-    choice = os.environ.get(ENCODER_ENV, "auto") or "auto"
+    `quantize` would look like a hang. `encoder` None reads ENCODER_ENV."""
+    choice = encoder or os.environ.get(ENCODER_ENV) or "auto"
+    source = f"encoder={choice}" if encoder else f"{ENCODER_ENV}={choice}"
     if choice not in ENCODERS:
-        raise ValueError(f"{ENCODER_ENV}={choice!r}: expected one of {', '.join(ENCODERS)}")
+        raise ValueError(f"{source}: expected one of {', '.join(ENCODERS)}")
     if choice == "torch":
-        _log_torch_encoder(f"{ENCODER_ENV}=torch")
+        _log_torch_encoder(source)
         return None
     from ..kernels.cpu_exl3 import CpuKernelUnavailable, extension
 
@@ -126,7 +131,7 @@ def compiled_viterbi() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
         return extension().exl3_viterbi_cpu
     except CpuKernelUnavailable as exc:
         if choice == "compiled":
-            raise CpuKernelUnavailable(f"{ENCODER_ENV}=compiled, but the compiled encoder is not: {exc}") from exc
+            raise CpuKernelUnavailable(f"{source}, but the compiled encoder is not available: {exc}") from exc
         _log_torch_encoder(f"the compiled encoder is unavailable: {exc}")
         return None
 
