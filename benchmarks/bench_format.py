@@ -81,17 +81,17 @@ def bench_viterbi(tiles: int, ks: list[int], reps: int) -> list[str]:
         "| torch CPU ms/tile | compiled CPU ms/tile | CPU speed-up | same states |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    encoders = ("torch", "compiled")
+    backends = ("torch", "compiled")
     for k in ks:
-        wall, cpu, states = {e: math.inf for e in encoders}, {e: math.inf for e in encoders}, {}
-        for encoder in encoders:
-            encode_tiles(targets[:1], k, encoder=encoder)  # warm-up: builds or loads the extension
+        wall, cpu, states = {b: math.inf for b in backends}, {b: math.inf for b in backends}, {}
+        for backend in backends:
+            encode_tiles(targets[:1], k, viterbi=backend)  # warm-up: builds or loads the extension
         for _ in range(reps):
-            for encoder in encoders:
+            for backend in backends:
                 start, start_cpu = time.perf_counter(), time.process_time()
-                states[encoder] = encode_tiles(targets, k, encoder=encoder)
-                wall[encoder] = min(wall[encoder], (time.perf_counter() - start) / tiles)
-                cpu[encoder] = min(cpu[encoder], (time.process_time() - start_cpu) / tiles)
+                states[backend] = encode_tiles(targets, k, viterbi=backend)
+                wall[backend] = min(wall[backend], (time.perf_counter() - start) / tiles)
+                cpu[backend] = min(cpu[backend], (time.process_time() - start_cpu) / tiles)
         same = "yes" if torch.equal(states["torch"], states["compiled"]) else "NO"
         rows.append(
             f"| {k} | {tiles} | {wall['torch'] * 1e3:.1f} | {wall['compiled'] * 1e3:.2f} "

@@ -15,7 +15,7 @@ import torch
 from vllm_expert_offload.exl3 import Codebook, codebook_table
 from vllm_expert_offload.exl3 import encode
 from vllm_expert_offload.exl3.bitrate import HALF_K, INTEGER_K
-from vllm_expert_offload.exl3.encode import ENCODER_ENV, ROW_TARGET_RMS, encode_tiles
+from vllm_expert_offload.exl3.encode import VITERBI_ENV, ROW_TARGET_RMS, encode_tiles
 from vllm_expert_offload.kernels import cpu_exl3
 
 CASES = [(k, Codebook.MUL1) for k in (*INTEGER_K, *HALF_K)] + [
@@ -48,8 +48,8 @@ def _compiled_available() -> None:
 @pytest.mark.parametrize(("k", "codebook"), CASES, ids=[f"{c.value}-k{k}" for k, c in CASES])
 def test_compiled_states_equal_torch(k: float, codebook: Codebook) -> None:
     targets = _stress_tiles(codebook, seed=int(10 * k))
-    compiled = encode_tiles(targets, k, codebook, encoder="compiled")
-    reference = encode_tiles(targets, k, codebook, encoder="torch")
+    compiled = encode_tiles(targets, k, codebook, viterbi="compiled")
+    reference = encode_tiles(targets, k, codebook, viterbi="torch")
     assert torch.equal(compiled, reference), (compiled != reference).any(1).nonzero().flatten().tolist()
 
 
@@ -66,21 +66,21 @@ def test_forced_torch_and_unavailable_compiled_are_logged(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="vllm.expert_offload")
     encode._log_torch_encoder.cache_clear()
-    monkeypatch.setenv(ENCODER_ENV, "torch")
+    monkeypatch.setenv(VITERBI_ENV, "torch")
     assert encode.compiled_viterbi() is None and encode.compiled_viterbi() is None
     assert [r.getMessage() for r in caplog.records] == [
-        f"EXL3 encoder: the torch Viterbi runs, far slower than the compiled one ({ENCODER_ENV}=torch)"
+        f"EXL3 encoder: the torch Viterbi runs, far slower than the compiled one ({VITERBI_ENV}=torch)"
     ]
 
     def unavailable() -> None:
         raise cpu_exl3.CpuKernelUnavailable("building csrc/ failed: no compiler")
 
     monkeypatch.setattr(cpu_exl3, "extension", unavailable)
-    monkeypatch.delenv(ENCODER_ENV)
+    monkeypatch.delenv(VITERBI_ENV)
     assert encode.compiled_viterbi() is None
     assert "compiled encoder is unavailable: building csrc/ failed: no compiler" in caplog.records[-1].getMessage()
-    monkeypatch.setenv(ENCODER_ENV, "compiled")
-    with pytest.raises(cpu_exl3.CpuKernelUnavailable, match=f"{ENCODER_ENV}=compiled, but the compiled encoder is not available"):
+    monkeypatch.setenv(VITERBI_ENV, "compiled")
+    with pytest.raises(cpu_exl3.CpuKernelUnavailable, match=f"{VITERBI_ENV}=compiled, but the compiled encoder is not"):
         encode.compiled_viterbi()
-    with pytest.raises(ValueError, match="encoder=fast: expected one of auto, compiled, torch"):
+    with pytest.raises(ValueError, match="viterbi=fast: expected one of auto, compiled, torch"):
         encode.compiled_viterbi("fast")

@@ -28,8 +28,8 @@ from .tile import tiles_to_positions
 logger = logging.getLogger("vllm.expert_offload")
 
 # "compiled" (refuse without the extension), "torch" (tests compare the two), or unset/"auto": compiled if built.
-ENCODER_ENV = "VLLM_EXPERT_OFFLOAD_ENCODER"
-ENCODERS = ("auto", "compiled", "torch")
+VITERBI_ENV = "VLLM_EXPERT_OFFLOAD_VITERBI"
+VITERBI_BACKENDS = ("auto", "compiled", "torch")
 STATE_BITS = 16
 NUM_STATES = 1 << STATE_BITS
 # Rows are first normalised to this RMS (3INST's table std, exllamav3's convention), then multiplied by g.
@@ -89,16 +89,16 @@ def encode_tiles(
     codebook: Codebook = Codebook.MUL1,
     *,
     progress: Callable[[int], None] | None = None,
-    encoder: str | None = None,
+    viterbi: str | None = None,
 ) -> torch.Tensor:
     """Best closed trellis path per tile: (T, 256) fp32 targets in ring order -> (T, 256) int64 states.
 
     The states form a consistent ring, so `unpack_states(pack_states(states, k), k) == states` and they decode
     to exactly `codebook_table(codebook)[states]`. `progress(n)` receives the cumulative finished tiles.
-    `encoder` is one of ENCODERS, by default the ENCODER_ENV environment variable's (benchmarks pick both).
+    `viterbi` is one of VITERBI_BACKENDS, by default the VITERBI_ENV environment variable's (benchmarks pick both).
     """
     values = codebook_table(codebook).float()
-    compiled = compiled_viterbi(encoder)
+    compiled = compiled_viterbi(viterbi)
     if compiled is None:
         return _encode_tiles_torch(targets.float(), position_bits(k).tolist(), values, progress)
     bits = position_bits(k).to(torch.int32)
@@ -113,15 +113,15 @@ def encode_tiles(
 
 
 def compiled_viterbi(
-    encoder: str | None = None,
+    viterbi: str | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The compiled Viterbi (targets, int32 position bits, fp32 codebook values) -> states, or None when the
     torch one must run, logged once per reason: the extension needs a compiler, and a silent 20x slowdown of
-    `quantize` would look like a hang. `encoder` None reads ENCODER_ENV."""
-    choice = encoder or os.environ.get(ENCODER_ENV) or "auto"
-    source = f"encoder={choice}" if encoder else f"{ENCODER_ENV}={choice}"
-    if choice not in ENCODERS:
-        raise ValueError(f"{source}: expected one of {', '.join(ENCODERS)}")
+    `quantize` would look like a hang. `viterbi` None reads VITERBI_ENV."""
+    choice = viterbi or os.environ.get(VITERBI_ENV) or "auto"
+    source = f"viterbi={choice}" if viterbi else f"{VITERBI_ENV}={choice}"
+    if choice not in VITERBI_BACKENDS:
+        raise ValueError(f"{source}: expected one of {', '.join(VITERBI_BACKENDS)}")
     if choice == "torch":
         _log_torch_encoder(source)
         return None
