@@ -113,7 +113,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed calls per case (dequantize: median; Viterbi: best)")
     parser.add_argument("--encode-size", type=int, default=128, help="side of the square Gaussian matrix to encode")
     parser.add_argument("--viterbi-tiles", type=int, default=8, help="tiles per Viterbi encoder timing")
+    parser.add_argument("--threads", type=int, help="torch and OpenMP threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("Reference dequantization (`vllm_expert_offload.exl3.dequantize`, fp32 out, MUL1, random trellis):\n")
