@@ -2,14 +2,16 @@
 one extension built on first use.
 
 Built with torch's C++ extension loader into its per-user cache (once per machine and source version; a
-second process waits on the build lock and loads the result), with -march=native because it is built where
-it runs. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when either is
-missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
+second process waits on the build lock and loads the result). The kernels are compiled for AVX-512, AVX2 and
+the x86-64 baseline in the same build and chosen at run time (`cpu_kernel_isa`), so a build is not tied to the
+CPU that made it. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when
+either is missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from .rotated import MatmulBackend
 
 logger = logging.getLogger("vllm.expert_offload")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_viterbi.cpp")
+SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi.inc")
 BLOCK_M = 32  # rows that share one decode of each tile
 
 
@@ -38,9 +40,14 @@ def extension():
     from torch.utils.cpp_extension import load
 
     logger.info("building the EXL3 CPU kernels from %s (once per machine and source version)", CSRC)
+    # torch's loader versions the build by the compiled sources and flags only, so the included .inc files'
+    # digest goes into the flags: editing them rebuilds.
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
     try:
-        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(path) for path in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # -Wno-psabi: the baseline copy passes GCC vectors wider than SSE registers, only between its own functions.
+        flags = ["-O3", "-fopenmp", "-Wno-psabi", f"-DEXL3_SOURCES_DIGEST={digest}"]
+        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCES[0])], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean the same to the caller
         raise CpuKernelUnavailable(f"building {CSRC.name}/ failed: {type(exc).__name__}: {exc}") from exc
 
@@ -52,6 +59,11 @@ def cpu_kernel_unavailable() -> str | None:
     except CpuKernelUnavailable as exc:
         return str(exc)
     return None
+
+
+def cpu_kernel_isa() -> str:
+    """The instruction set the compiled kernels run with on this CPU: "avx512", "avx2" or "baseline"."""
+    return extension().exl3_cpu_isa()
 
 
 @functools.cache
