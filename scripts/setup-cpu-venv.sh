@@ -34,7 +34,8 @@ if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
     apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
 "$VENV/bin/python" -c "
-from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_unavailable
+from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_isa, cpu_kernel_unavailable
 why = cpu_kernel_unavailable()
-print('[setup] CPU kernels:', 'built' if why is None else 'unavailable, the torch versions will run: ' + why)"
+print('[setup] CPU kernels:', f'built, running {cpu_kernel_isa()}' if why is None else
+      'unavailable, the torch versions will run: ' + why)"
 echo "[setup] ready: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

@@ -12,6 +12,7 @@ import torch
 
 import exl3_reference as ref
 from test_decode import make_layer
+from test_encode_compiled import torch_addcmul_fuses
 from test_exl3_kernels import ALL_RATES, _decode_with_kernel
 from vllm_expert_offload.exl3 import Codebook, parse_linear
 from vllm_expert_offload.exl3.encode import ROW_TARGET_RMS, encode_tiles
@@ -65,6 +66,8 @@ def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, i
     for (k, cb), layer, got in zip(cases, layers, _decode_with_kernel(layers, CPU_MATMUL)):
         expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
         assert np.array_equal(got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF, expected), (k, cb)
+    if not torch_addcmul_fuses():
+        return  # the torch encoder rounds differently on this CPU (see test_encode_compiled)
     targets = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)) * ROW_TARGET_RMS
     targets[1] = targets[1].sign() * 3e38  # the NaN-tracking steps too
     for k in (2, 3.5):
