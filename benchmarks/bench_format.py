@@ -2,7 +2,8 @@
 
 The reference decoder is what every kernel is tested against and what the CPU fallback path can use,
 so its speed bounds test and conversion times; the encoder's per-tile cost sets how large a test model
-can be quantized on a laptop. Prints markdown tables.
+can be quantized on a laptop, so its Viterbi search is timed in torch and compiled side by side (and the
+two must agree). Prints markdown tables.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_format.py    # PYTHONPATH not needed once pip-installed
 """
@@ -10,6 +11,7 @@ can be quantized on a laptop. Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, dequantize
-from vllm_expert_offload.exl3.encode import encode_linear
+from vllm_expert_offload.exl3.encode import ROW_TARGET_RMS, encode_linear, encode_tiles
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -70,6 +72,35 @@ def bench_encode(size: int, ks: list[int]) -> list[str]:
     return rows
 
 
+def bench_viterbi(tiles: int, ks: list[int], reps: int) -> list[str]:
+    """Both Viterbi encoders on the same Gaussian tiles at the encoder's row scale, in alternating calls, best of
+    reps. Wall time is what `quantize` waits; CPU time (all threads) is the work, steadier on a shared machine."""
+    targets = torch.randn(tiles, 256, generator=torch.Generator().manual_seed(0)) * ROW_TARGET_RMS
+    rows = [
+        "| K | tiles | torch wall ms/tile | compiled wall ms/tile | wall speed-up "
+        "| torch CPU ms/tile | compiled CPU ms/tile | CPU speed-up | same states |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    backends = ("torch", "compiled")
+    for k in ks:
+        wall, cpu, states = {b: math.inf for b in backends}, {b: math.inf for b in backends}, {}
+        for backend in backends:
+            encode_tiles(targets[:1], k, viterbi=backend)  # warm-up: builds or loads the extension
+        for _ in range(reps):
+            for backend in backends:
+                start, start_cpu = time.perf_counter(), time.process_time()
+                states[backend] = encode_tiles(targets, k, viterbi=backend)
+                wall[backend] = min(wall[backend], (time.perf_counter() - start) / tiles)
+                cpu[backend] = min(cpu[backend], (time.process_time() - start_cpu) / tiles)
+        same = "yes" if torch.equal(states["torch"], states["compiled"]) else "NO"
+        rows.append(
+            f"| {k} | {tiles} | {wall['torch'] * 1e3:.1f} | {wall['compiled'] * 1e3:.2f} "
+            f"| {wall['torch'] / wall['compiled']:.1f}x | {cpu['torch'] * 1e3:.1f} | {cpu['compiled'] * 1e3:.2f} "
+            f"| {cpu['torch'] / cpu['compiled']:.1f}x | {same} |"
+        )
+    return rows
+
+
 def _shape(text: str) -> tuple[int, int]:
     in_features, out_features = (int(v) for v in text.lower().split("x"))
     return in_features, out_features
@@ -79,14 +110,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1024x1024,2048x768", help="dequantize shapes, in x out, comma separated")
     parser.add_argument("--ks", default="2,3,4", help="bits per weight, comma separated integers")
-    parser.add_argument("--reps", type=int, default=3, help="timed dequantize calls per case (median)")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per case (dequantize: median; Viterbi: best)")
     parser.add_argument("--encode-size", type=int, default=128, help="side of the square Gaussian matrix to encode")
+    parser.add_argument("--viterbi-tiles", type=int, default=8, help="tiles per Viterbi encoder timing")
+    parser.add_argument("--threads", type=int, help="torch and OpenMP threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("Reference dequantization (`vllm_expert_offload.exl3.dequantize`, fp32 out, MUL1, random trellis):\n")
     print("\n".join(bench_dequantize([_shape(s) for s in args.shapes.split(",")], ks, args.reps)))
-    print(f"\nEncoder (`encode_linear`, MUL1, {args.encode_size}×{args.encode_size} Gaussian, seed 0):\n")
+    print(f"\nViterbi search (`encode_tiles`, MUL1, {args.viterbi_tiles} Gaussian tiles), torch vs compiled:\n")
+    print("\n".join(bench_viterbi(args.viterbi_tiles, ks, args.reps)))
+    size = args.encode_size
+    print(f"\nEncoder (`encode_linear`, MUL1, {size}×{size} Gaussian, seed 0, the default Viterbi):\n")
     print("\n".join(bench_encode(args.encode_size, ks)))
 
 

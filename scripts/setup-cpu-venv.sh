@@ -26,8 +26,9 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert '+cpu' in m.v
     pip_ install -q --no-build-isolation ./scripts/vllm-stub
 fi
 pip_ install -q --no-build-isolation -e ".[test]"
-# The compiled CPU kernel (csrc/) builds on first use; build it now, once, so no engine start pays for it and
-# concurrent test workers never race to build. Without a compiler the plugin falls back to the torch reference.
+# The compiled CPU kernels (csrc/: the matmul and the quantize encoder's Viterbi) build on first use; build them
+# now, once, so no engine start pays for it and concurrent test workers never race to build. Without a compiler
+# the plugin falls back to the torch reference and the encoder to its torch Viterbi.
 if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing a C++ compiler for the CPU kernel"
     apt-get update -qq && apt-get install -y -qq g++ >/dev/null
@@ -55,7 +56,8 @@ PY
     rm -rf "$EXL3_HEADERS.tmp"
 fi
 "$VENV/bin/python" -c "
-from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_unavailable
+from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_isa, cpu_kernel_unavailable
 why = cpu_kernel_unavailable()
-print('[setup] CPU kernel:', 'built' if why is None else 'unavailable, the torch reference will run: ' + why)"
+print('[setup] CPU kernels:', f'built, running {cpu_kernel_isa()}' if why is None else
+      'unavailable, the torch versions will run: ' + why)"
 echo "[setup] ready: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

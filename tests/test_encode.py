@@ -1,8 +1,9 @@
 """The no-Hessian EXL3 encoder: its output must be a valid tensor set whose decode is close to the input.
 
 Thresholds sit 17-33 % above the errors measured in exl3-format.md §3.3 (Gaussian rate-distortion bound 2^-2K).
-Encoding costs 50-150 ms per 16x16 tile on 2 shared cores, so layers are encoded once per module, most cases
-skip the scale search, and the other codebooks are measured on a few tiles.
+The torch Viterbi costs 40-150 ms per 16x16 tile on 2 shared cores (the compiled one, used when it builds, about
+3 ms), so layers are encoded once per module, most cases skip the scale search, and the other codebooks are
+measured on a few tiles.
 """
 
 from __future__ import annotations

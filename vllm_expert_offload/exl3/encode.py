@@ -2,15 +2,20 @@
 
 This is exllamav3's `fallback_quant` path (exl3-format.md §3.2): correct bits for every kernel, but a higher
 Hessian-weighted error than LDLQ, so it serves test models and fixtures, not production checkpoints.
-Everything is plain torch on the CPU; cost is about O(256 * 2^16) per tile and pass, independent of K.
+Everything runs on the CPU; the Viterbi search, about O(256 * 2^16) per tile and pass whatever K, runs in the
+compiled extension (csrc/exl3_viterbi.inc) when it builds, else in torch here. Both give the same states bit for
+bit where torch.addcmul is a fused multiply-add (its AVX2/AVX-512 kernels); at torch's CPU capability DEFAULT it
+rounds twice, so the torch states differ there, while the compiled encoder's are the same on every CPU.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -22,6 +27,11 @@ from .ring import pack_states
 from .tensors import Exl3Linear, padded
 from .tile import tiles_to_positions
 
+logger = logging.getLogger("vllm.expert_offload")
+
+# "compiled" (refuse without the extension), "torch" (tests compare the two), or unset/"auto": compiled if built.
+VITERBI_ENV = "VLLM_EXPERT_OFFLOAD_VITERBI"
+VITERBI_BACKENDS = ("auto", "compiled", "torch")
 STATE_BITS = 16
 NUM_STATES = 1 << STATE_BITS
 # Rows are first normalised to this RMS (3INST's table std, exllamav3's convention), then multiplied by g.
@@ -31,7 +41,10 @@ ROW_TARGET_RMS = 1.24371088
 DEFAULT_SCALE = {Codebook.INST3: 1.0, Codebook.MCG: 1.0, Codebook.MUL1: 0.8}
 SCALE_GRID = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
 SCALE_SAMPLE_TILES = 8
-# Tiles per Viterbi batch (one batch per worker thread): the two (T, 65536) fp32 cost buffers stay in
+# Tiles per compiled call and thread: a call returns every few tiles for the progress bar, and its slowest
+# thread leaves the others idle for at most about one tile.
+COMPILED_TILES_PER_THREAD = 4
+# Tiles per torch Viterbi batch (one batch per worker thread): the two (T, 65536) fp32 cost buffers stay in
 # cache, and backpointers take T * 256 * 2^(16-D) bytes (32 MB at K=1).
 TILE_BATCH = 4
 # Pass 1 starts half a ring away from position 0 so its arbitrary start has faded out by position 0.
@@ -78,15 +91,62 @@ def encode_tiles(
     codebook: Codebook = Codebook.MUL1,
     *,
     progress: Callable[[int], None] | None = None,
+    viterbi: str | None = None,
 ) -> torch.Tensor:
     """Best closed trellis path per tile: (T, 256) fp32 targets in ring order -> (T, 256) int64 states.
 
     The states form a consistent ring, so `unpack_states(pack_states(states, k), k) == states` and they decode
-    to exactly `codebook_table(codebook)[states]`.
+    to exactly `codebook_table(codebook)[states]`. `progress(n)` receives the cumulative finished tiles.
+    `viterbi` is one of VITERBI_BACKENDS, by default the VITERBI_ENV environment variable's (benchmarks pick both).
     """
     values = codebook_table(codebook).float()
-    bits = position_bits(k).tolist()
-    batches = [targets[i : i + TILE_BATCH].float() for i in range(0, targets.shape[0], TILE_BATCH)]
+    compiled = compiled_viterbi(viterbi)
+    if compiled is None:
+        return _encode_tiles_torch(targets.float(), position_bits(k).tolist(), values, progress)
+    bits = position_bits(k).to(torch.int32)
+    out = torch.empty(targets.shape[0], POSITIONS, dtype=torch.int64)
+    chunk = COMPILED_TILES_PER_THREAD * torch.get_num_threads()
+    for start in range(0, targets.shape[0], chunk):
+        end = min(start + chunk, targets.shape[0])
+        out[start:end] = compiled(targets[start:end].float().contiguous(), bits, values)
+        if progress is not None:
+            progress(end)
+    return out
+
+
+def compiled_viterbi(
+    viterbi: str | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The compiled Viterbi (targets, int32 position bits, fp32 codebook values) -> states, or None when the
+    torch one must run, logged once per reason: the extension needs a compiler, and a silent 20x slowdown of
+    `quantize` would look like a hang. `viterbi` None reads VITERBI_ENV."""
+    choice = viterbi or os.environ.get(VITERBI_ENV) or "auto"
+    source = f"viterbi={choice}" if viterbi else f"{VITERBI_ENV}={choice}"
+    if choice not in VITERBI_BACKENDS:
+        raise ValueError(f"{source}: expected one of {', '.join(VITERBI_BACKENDS)}")
+    if choice == "torch":
+        _log_torch_encoder(source)
+        return None
+    from ..kernels.cpu_exl3 import CpuKernelUnavailable, extension
+
+    try:
+        return extension().exl3_viterbi_cpu
+    except CpuKernelUnavailable as exc:
+        if choice == "compiled":
+            raise CpuKernelUnavailable(f"{source}, but the compiled encoder is not available: {exc}") from exc
+        _log_torch_encoder(f"the compiled encoder is unavailable: {exc}")
+        return None
+
+
+@cache
+def _log_torch_encoder(reason: str) -> None:
+    logger.warning("EXL3 encoder: the torch Viterbi runs, far slower than the compiled one (%s)", reason)
+
+
+def _encode_tiles_torch(
+    targets: torch.Tensor, bits: list[int], values: torch.Tensor, progress: Callable[[int], None] | None
+) -> torch.Tensor:
+    batches = [targets[i : i + TILE_BATCH] for i in range(0, targets.shape[0], TILE_BATCH)]
     out = torch.empty(targets.shape[0], POSITIONS, dtype=torch.int64)
     done = 0
     with _one_thread_per_op() as workers, ThreadPoolExecutor(workers) as pool:

@@ -1,14 +1,17 @@
-"""The compiled CPU kernel (csrc/exl3_cpu.cpp): the EXL3 matmul over pointer tables, built on first use.
+"""The compiled CPU kernels (csrc/): the EXL3 matmul over pointer tables and the encoder's Viterbi search,
+one extension built on first use.
 
 Built with torch's C++ extension loader into its per-user cache (once per machine and source version; a
-second process waits on the build lock and loads the result), with -march=native because it is built where
-it runs. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when either is
-missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
+second process waits on the build lock and loads the result). The kernels are compiled for AVX-512, AVX2 and
+the x86-64 baseline in the same build and chosen at run time (`cpu_kernel_isa`), so a build is not tied to the
+CPU that made it. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when
+either is missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -19,7 +22,8 @@ from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend
 
 logger = logging.getLogger("vllm.expert_offload")
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "exl3_cpu.cpp"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi.inc")
 BLOCK_M = 32  # rows that share one decode of each tile
 
 
@@ -28,26 +32,38 @@ class CpuKernelUnavailable(RuntimeError):
 
 
 @functools.cache
-def _extension():
-    if not SOURCE.is_file():
-        raise CpuKernelUnavailable(f"its C++ source {SOURCE} is not part of this installation (install from source)")
+def extension():
+    """The loaded extension module (built on the first call), or CpuKernelUnavailable saying why not."""
+    missing = [str(path) for path in SOURCES if not path.is_file()]
+    if missing:
+        raise CpuKernelUnavailable(f"its C++ sources {missing} are not part of this installation (install from source)")
     from torch.utils.cpp_extension import load
 
-    logger.info("building the EXL3 CPU kernel from %s (once per machine and source version)", SOURCE)
+    logger.info("building the EXL3 CPU kernels from %s (once per machine and source version)", CSRC)
+    # torch's loader versions the build by the compiled sources and flags only, so the included .inc files'
+    # digest goes into the flags: editing them rebuilds.
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
     try:
-        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # -Wno-psabi: the baseline copy passes GCC vectors wider than SSE registers, only between its own functions.
+        flags = ["-O3", "-fopenmp", "-Wno-psabi", f"-DEXL3_SOURCES_DIGEST={digest}"]
+        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCES[0])], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean the same to the caller
-        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {type(exc).__name__}: {exc}") from exc
+        raise CpuKernelUnavailable(f"building {CSRC.name}/ failed: {type(exc).__name__}: {exc}") from exc
 
 
 def cpu_kernel_unavailable() -> str | None:
     """None when the CPU kernel is built and loadable, else why not (the build is attempted once)."""
     try:
-        _extension()
+        extension()
     except CpuKernelUnavailable as exc:
         return str(exc)
     return None
+
+
+def cpu_kernel_isa() -> str:
+    """The instruction set the compiled kernels run with on this CPU: "avx512", "avx2" or "baseline"."""
+    return extension().exl3_cpu_isa()
 
 
 @functools.cache
@@ -61,7 +77,7 @@ def launch_cpu_matmul(
     a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
 ) -> None:
     """out[row] = a[row] @ W_hat[matrix of row's block] (same contract as the Triton launcher), fp32."""
-    _extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
+    extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
                                  _codebook_values(), table.in_features, table.out_features, BLOCK_M, out)
 
 
