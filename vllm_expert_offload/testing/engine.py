@@ -63,6 +63,12 @@ def generate_greedy(spec: EngineSpec) -> list[list[int]]:
 
 def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
     """Token ids per prompt and the seconds `LLM.generate` took (engine start excluded); EngineFailed if none."""
+    result = generate_report(spec)
+    return result["tokens"], result["generate_s"]
+
+
+def generate_report(spec: EngineSpec) -> dict:
+    """The child's whole result: `tokens`, `generate_s`, and `rpc` (each rpc_after call's per-rank returns)."""
     env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
@@ -70,8 +76,7 @@ def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-            return result["tokens"], result["generate_s"]
+            return json.loads(line[len("RESULT "):])
     raise EngineFailed(proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -88,9 +93,8 @@ def _run(spec: EngineSpec) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec.prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    for method, args in spec.rpc_after:
-        llm.collective_rpc(method, args=tuple(args))
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed}
+    rpc = [llm.collective_rpc(method, args=tuple(args)) for method, args in spec.rpc_after]
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "generate_s": elapsed, "rpc": rpc}
 
 
 def _preload(modules: list[str]) -> None:

@@ -155,6 +155,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
         )
         del self.placed
+        self.placement.note_loading_peak(self.device)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None

@@ -64,6 +64,7 @@ class ProcessPlacement:
         if device.type == "cuda":
             install_crash_line(options.min_free_fraction, self.record_bytes[self.gpu_tier].tolist())
         self.recording = options.record_stats is not None
+        self.loading_peak_bytes = 0  # CUDA: peak allocated while the MoE layers were loaded (memory_report)
         if self.recording and geometry.tp_rank == 0:
             at_process_exit(self.save_stats, options.record_stats, "at exit")
         n_host = int((~self.gpu_tier).sum())
@@ -74,6 +75,21 @@ class ProcessPlacement:
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
             self.record_bytes[self.gpu_tier].sum() / 2**20, source,
         )
+
+    def note_loading_peak(self, device: torch.device) -> None:
+        """Called as each MoE layer finishes loading, before vLLM allocates the KV cache: the highest
+        allocation seen by then is the loading peak (a layer that held decoded experts transiently shows here)."""
+        if device.type == "cuda":
+            self.loading_peak_bytes = max(self.loading_peak_bytes, torch.cuda.max_memory_allocated(device))
+
+    def memory_report(self) -> dict[str, int]:
+        """What this rank placed, beside what loading cost (scripts/gpu_engine_check.py compares them)."""
+        return {
+            "tp_rank": self.geometry.tp_rank,
+            "gpu_tier_expert_bytes": int(self.record_bytes[self.gpu_tier].sum()),
+            "host_tier_expert_bytes": int(self.record_bytes[~self.gpu_tier].sum()),
+            "loading_peak_bytes": self.loading_peak_bytes,
+        }
 
     def row(self, layer: int) -> int:
         return self.moe_layers.index(layer)

@@ -5,6 +5,7 @@ object needs VLLM_ALLOW_INSECURE_SERIALIZATION once workers live in other proces
 
     llm.collective_rpc("vllm_expert_offload_save_expert_stats")            # counts so far -> record_stats file
     llm.collective_rpc("vllm_expert_offload_save_expert_stats", args=("/tmp/stats.json",))
+    llm.collective_rpc("vllm_expert_offload_memory_report")               # per rank: placed bytes, loading peak
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..patching import HookError
 
 RESET_COUNTS = "vllm_expert_offload_reset_expert_counts"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
+MEMORY_REPORT = "vllm_expert_offload_memory_report"
 
 
 def _placement(worker):
@@ -45,10 +47,20 @@ def save_expert_stats(worker, path: str | None = None) -> str | None:
     return str(target)
 
 
+def memory_report(worker) -> dict[str, int | None] | None:
+    """This rank's placed expert bytes and loading peak, with the weight memory vLLM measured for the model
+    (the GPU runner's `model_memory_usage`; None on runners that do not measure it, as the CPU one)."""
+    placement = _placement(worker)
+    if placement is None:
+        return None
+    return placement.memory_report() | {"model_memory_usage": getattr(worker.model_runner, "model_memory_usage", None)}
+
+
 def install() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    for name, method in ((RESET_COUNTS, reset_expert_counts), (SAVE_STATS, save_expert_stats)):
+    methods = ((RESET_COUNTS, reset_expert_counts), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report))
+    for name, method in methods:
         existing = getattr(WorkerBase, name, None)
         if existing is not None and existing is not method:
             raise HookError(f"vllm.v1.worker.worker_base.WorkerBase already has a {name!r} attribute")
