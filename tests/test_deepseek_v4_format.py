@@ -191,3 +191,20 @@ def test_incomplete_v4_config_refused_by_field() -> None:
     with pytest.raises(Exl3FormatError, match="compress_ratios"):
         dsv4.linear_shape("layers.0.attn.wq_a", {"hidden_size": 8, "num_attention_heads": 1, "q_lora_rank": 4,
                                                  "num_hidden_layers": 1})
+
+
+def test_draft_layers_are_accepted_and_left_to_vllm(exl3: Path, tmp_path: Path) -> None:
+    """`mtp.*` sets (exllamav3 writes them when the source has draft layers) validate, and pass the load-time
+    decoder untouched: vLLM's loader drops them unless a draft model is requested."""
+    def add_draft(t: dict) -> None:
+        for name in [n for n in t if n.startswith("layers.2.")]:
+            t["mtp.0." + name.removeprefix("layers.2.")] = t[name].clone()
+
+    path = _broken(exl3, tmp_path, add_draft)
+    ckpt = Exl3Checkpoint.open(path)
+    summary = validate_checkpoint(ckpt)
+    assert "mtp.0.ffn.experts.5.w1" in summary.quantized_prefixes
+    decoder = DecodedAtLoad(summary, ckpt.hf_config, torch.float32)
+    assert not any(p.startswith("mtp.") for parts in decoder.members.values() for p in parts)
+    passed = dict(decoder.transform(_stream(path)))
+    assert "mtp.0.attn.compressor.wkv.trellis" in passed and "mtp.0.ffn.experts.5.w1.trellis" in passed
