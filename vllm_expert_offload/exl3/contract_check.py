@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
 from .convert import HEADS, LINEAR_LEAVES
+from .deepseek_v4 import V41_ARCHITECTURE, V41_VISION_ROOTS, V41_WHY, v41_part
 from .errors import Exl3FormatError
 from .naming import MoeLayout
 from .tensors import Exl3Linear
@@ -32,10 +33,6 @@ NOT_SERVED = {
     "DeepseekV4ForConditionalGeneration": (
         "the DeepSeek-V4 vision-language wrapper is not served (its `language_model.` tensors and vision tower have "
         "no EXL3 layout in exllamav3 1.6.5); serve the text model as DeepseekV4ForCausalLM"
-    ),
-    "DeepseekV41ForCausalLM": (
-        "DeepSeek-V4.1 is not served: exllamav3 1.6.5 defines no V4.1 architecture, so there is no EXL3 layout to "
-        "check its engram and vision tensors against (DeepSeek-V4, DeepseekV4ForCausalLM, is served)"
     ),
 }
 
@@ -73,11 +70,26 @@ def delegate_tensors(params: Mapping[str, object]) -> DelegateTensors:
     )
 
 
-def not_served_reason(hf_config: Mapping[str, object]) -> str | None:
+def not_served_reason(hf_config: Mapping[str, object], contract: MixedContract | None) -> str | None:
+    """Why a pack of this architecture is not served at all; DeepSeek-V4.1 only as a mixed pack (see V41_WHY)."""
     for arch in hf_config.get("architectures") or []:
         if arch in NOT_SERVED:
             return f"config.json: architectures {arch}: {NOT_SERVED[arch]}"
+        if arch == V41_ARCHITECTURE and contract is None:
+            return (f"config.json: architectures {arch}: {KEY} declares no mixed-pack contract (an exllamav3-native, "
+                    f"all-EXL3 checkpoint); {V41_WHY}")
     return None
+
+
+def refuse_v41_dense_exl3(contract: MixedContract, layout: MoeLayout, linears: Mapping[str, Exl3Linear]) -> None:
+    """A DeepSeek-V4.1 pack is EXL3 in its routed experts only: a declared or stored EXL3 set anywhere else (engram,
+    vision tower, attention, draft layers) has no exllamav3 layout to be checked against, so it is refused by name."""
+    if contract.exl3_layers:
+        module = next(iter(contract.exl3_layers))
+        raise Exl3FormatError(f"{KEY}.non_routed_exl3.layers.{module}: {V41_WHY}")
+    for prefix in linears:
+        if layout.expert_layer(prefix) is None:
+            raise Exl3FormatError(f"{prefix}.trellis: an EXL3 tensor set in {v41_part(prefix)}; {V41_WHY}")
 
 
 def dense_exl3_shards(contract: MixedContract) -> dict[str, tuple[str, float]]:
@@ -171,6 +183,8 @@ class _Checker:
                 self._expect_delegate(prefix)
             elif prefix in HEADS:
                 roles[prefix] = self._expect_float(prefix, "vLLM's lm_head (no delegate quantizes it)")
+            elif self.layout.architecture == V41_ARCHITECTURE and prefix.startswith(V41_VISION_ROOTS):
+                roles[prefix] = self._expect_float(prefix, "vLLM's V4.1 vision tower (built without a quant config)")
             elif self.contract.delegates_dense:
                 roles[prefix] = self._expect_delegate(prefix)
             else:
@@ -195,6 +209,8 @@ def check_contract(
             f"{KEY}.mtp_experts_start_layer: {start} is inside the main model ({layout.num_layers} layers); "
             f"source-format routed experts are served only in draft layers past the main stack"
         )
+    if layout.architecture == V41_ARCHITECTURE:
+        refuse_v41_dense_exl3(contract, layout, linears)
     checker = _Checker(contract, layout, shapes)
     checker.check_exl3(linears)
     plain = [
