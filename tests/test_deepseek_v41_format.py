@@ -24,9 +24,11 @@ from safetensors.torch import load_file, save_file
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.codebook import Codebook
 from vllm_expert_offload.exl3.convert import convert_checkpoint
+from vllm_expert_offload.exl3.deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE as V41
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.validate import validate_checkpoint
 from vllm_expert_offload.testing.tiny_dsv4 import EXL3_OVERRIDES, build_tiny_dsv4
+from vllm_expert_offload.testing.tiny_models import FP8_DELEGATE, quantize_block_fp8
 from vllm_expert_offload.tools.inspect_cmd import inspect_checkpoint
 
 LAYER_BITS = {1: 2}  # routed experts of layers 0 and 2 at K=3, layer 1 at K=2
@@ -99,6 +101,36 @@ def test_mixed_pack_validates_with_layer_k(v41: Path) -> None:
     assert len(summary.linears) == 3 * 64 * 3
     for prefix in (f"{ENGRAM}.wkv", "aligner.w1", "head", "layers.1.ffn.shared_experts.w2", "layers.1.attn.wq_a"):
         assert summary.non_routed[prefix] == "unquantized, as stored", prefix
+
+
+def _fp8_as_released(t: dict) -> None:
+    """Every non-routed linear vLLM builds with the quant config (not the head, compressors, indexer weights_proj or
+    vision tower) in block FP8 with DeepSeek's `<linear>.scale`."""
+    for name in [n for n in t if n.endswith(".weight") and t[n].dim() == 2]:
+        prefix = name.removesuffix(".weight")
+        if prefix != "head" and ".experts." not in prefix and not BUILT_UNQUANTIZED[V41].search(prefix) \
+                and prefix.rpartition(".")[2] in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3"):
+            t[name], t[f"{prefix}.scale"] = quantize_block_fp8(t[name])
+
+
+def _declare_fp8(q: dict) -> None:
+    q.pop("non_routed_dtype_policy")
+    q["non_routed_quantization"] = FP8_DELEGATE
+
+
+def test_fp8_delegate_reads_deepseek_scale_names(v41: Path, tmp_path: Path) -> None:
+    """As released, V4.1's FP8 linears carry `<linear>.scale` (vLLM's V4.1 mapper renames it to the delegate's
+    parameter): delegated layers are checked under that name; what vLLM builds without a quant config stays a
+    stored float."""
+    pack = _edited(v41, tmp_path, _fp8_as_released, _declare_fp8)
+    summary = validate_checkpoint(Exl3Checkpoint.open(pack))
+    for prefix in (f"{ENGRAM}.wkv", "layers.1.attn.wq_a", "layers.2.ffn.shared_experts.w3"):
+        assert summary.non_routed[prefix] == "delegated to vLLM 'fp8' (block 128x128)", prefix
+    for prefix in ("aligner.w1", "layers.1.attn.compressor.wkv", "layers.1.attn.indexer.weights_proj"):
+        assert summary.non_routed[prefix] == "unquantized, as stored", prefix
+    missing = _edited(pack, tmp_path / "missing", lambda t: t.pop("layers.1.attn.wq_a.scale"))
+    with pytest.raises(Exl3FormatError, match=r"layers\.1\.attn\.wq_a\.scale: missing; the fp8 delegate"):
+        validate_checkpoint(Exl3Checkpoint.open(missing))
 
 
 def test_inspect_and_plan(v41: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -192,7 +224,7 @@ REFUSALS = {
                        "layers.2.ffn.experts.7.w1.trellis: missing (routed expert 7 of layer 2)"),
     "vision tower stored FP8": (
         {"tensors": lambda t: t.__setitem__("aligner.w2.weight", t["aligner.w2.weight"].to(torch.float8_e4m3fn))},
-        "aligner.w2.weight: stored as F8_E4M3, but vLLM's V4.1 vision tower (built without a quant config)"),
+        "aligner.w2.weight: stored as F8_E4M3, but vLLM (it builds this linear without a quant config)"),
     "exllamav3-native (no contract)": (
         {"quant": lambda q: [q.pop(k) for k in ("layer_bits", "non_routed_dtype_policy", "scope")]},
         "architectures DeepseekV41ForCausalLM: quantization_config declares no mixed-pack contract"),

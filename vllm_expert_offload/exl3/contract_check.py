@@ -14,13 +14,18 @@ from dataclasses import dataclass
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
 from .convert import HEADS, LINEAR_LEAVES
-from .deepseek_v4 import V41_ARCHITECTURE, V41_VISION_ROOTS, V41_WHY, v41_part
+from .deepseek_v4 import ARCHITECTURE as V4_ARCHITECTURE
+from .deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE, V41_WHY, v41_part
 from .errors import Exl3FormatError
 from .naming import MoeLayout
 from .tensors import Exl3Linear
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
+# DeepSeek-V4/V4.1 checkpoints name a block-FP8 linear's scale `<linear>.scale`; vLLM's mappers rename it to the
+# delegate's parameter (deepseek_v4/nvidia/model.py and deepseek_v41/nvidia/model.py, rule `\.scale$`).
+NATIVE_SCALE = "scale"
+NATIVE_SCALE_ARCHITECTURES = (V4_ARCHITECTURE, V41_ARCHITECTURE)
 # vLLM module -> the checkpoint modules it fuses (packed_modules_mapping of vLLM 0.32's Qwen3-MoE, Mixtral and
 # DeepSeek-V2/V3 models): non_routed_exl3 names vLLM modules, the checkpoint stores each shard.
 VLLM_FUSED = {
@@ -111,6 +116,8 @@ class _Checker:
         self.layout = layout
         self.shapes = shapes
         self._delegate: DelegateTensors | None = None
+        self.native_scale = layout.architecture in NATIVE_SCALE_ARCHITECTURES
+        self.scale_suffixes = SCALE_SUFFIXES + ((NATIVE_SCALE,) if self.native_scale else ())
 
     @property
     def delegate(self) -> DelegateTensors:
@@ -149,7 +156,7 @@ class _Checker:
         shape, dtype = self.shapes[f"{prefix}.weight"]
         if dtype not in FLOAT_DTYPES:
             raise Exl3FormatError(f"{prefix}.weight: stored as {dtype}, but {why} serves it unquantized")
-        for suffix in SCALE_SUFFIXES:
+        for suffix in self.scale_suffixes:
             if f"{prefix}.{suffix}" in self.shapes:
                 raise Exl3FormatError(f"{prefix}.{suffix}: a scale of a layer that {why} serves unquantized")
         return "unquantized, as stored"
@@ -165,14 +172,16 @@ class _Checker:
                 f"({rules.detail}, weights {'/'.join(rules.weight_dtypes)}); vLLM would boot this layer with an "
                 f"uninitialized scale. Declare non_routed_dtype_policy 'bf16_as_stored' if the pack keeps it as stored"
             )
-        if f"{prefix}.{rules.scale}" not in self.shapes:
-            raise Exl3FormatError(f"{prefix}.{rules.scale}: missing; the {rules.method} delegate ({rules.detail}) "
+        scale = NATIVE_SCALE if self.native_scale else rules.scale
+        if f"{prefix}.{scale}" not in self.shapes:
+            raise Exl3FormatError(f"{prefix}.{scale}: missing; the {rules.method} delegate ({rules.detail}) "
                                   f"loads it for {prefix}")
         return f"delegated to vLLM {rules.method!r} ({rules.detail})"
 
     def check_source(self, prefixes: Iterable[str]) -> dict[str, str]:
         """Every linear stored as a plain `.weight`: its method, after checking that it can read what is stored."""
         roles = {}
+        unquantized = BUILT_UNQUANTIZED.get(self.layout.architecture)
         for prefix in prefixes:
             layer = self.layout.expert_layer(prefix)
             if layer is not None:
@@ -183,8 +192,8 @@ class _Checker:
                 self._expect_delegate(prefix)
             elif prefix in HEADS:
                 roles[prefix] = self._expect_float(prefix, "vLLM's lm_head (no delegate quantizes it)")
-            elif self.layout.architecture == V41_ARCHITECTURE and prefix.startswith(V41_VISION_ROOTS):
-                roles[prefix] = self._expect_float(prefix, "vLLM's V4.1 vision tower (built without a quant config)")
+            elif unquantized is not None and unquantized.search(prefix):
+                roles[prefix] = self._expect_float(prefix, "vLLM (it builds this linear without a quant config)")
             elif self.contract.delegates_dense:
                 roles[prefix] = self._expect_delegate(prefix)
             else:

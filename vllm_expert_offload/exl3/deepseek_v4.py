@@ -45,9 +45,15 @@ V41_WHY = (
     "exllamav3 1.6.5 defines no DeepSeek-V4.1 architecture, so only its routed experts (named as in DeepSeek-V4) "
     "have an EXL3 layout to check; a V4.1 pack is served as a mixed pack: routed experts EXL3, the rest as stored"
 )
-# vLLM builds the V4.1 vision tower's linears without a quant config (deepseek_v4/common/vision.py, the aligner's
-# w1/w2 quant_config=None): they are served as stored floats whatever the pack delegates.
 V41_VISION_ROOTS = ("vision.", "aligner.")
+# Linears vLLM 0.32 builds without a quant config, so a mixed pack's delegate never serves them and they must be
+# stored as floats: the compressors' `fused_wkv_wgate` (compressor.py) and the indexer's `weights_proj` and `wk`
+# (attention.py) in V4 and V4.1, and V4.1's vision tower (deepseek_v4/common/vision.py, the aligner's w1/w2).
+_BUILT_UNQUANTIZED = r"\.compressor\.w(kv|gate)$|\.indexer\.(weights_proj|wk)$"
+BUILT_UNQUANTIZED = {
+    ARCHITECTURE: re.compile(_BUILT_UNQUANTIZED),
+    V41_ARCHITECTURE: re.compile("|".join([_BUILT_UNQUANTIZED, *(f"^{re.escape(r)}" for r in V41_VISION_ROOTS)])),
+}
 
 
 def is_deepseek_v4(hf_config: Mapping[str, Any]) -> bool:
