@@ -35,6 +35,7 @@ LAYER_BITS = {1: 2}  # routed experts of layers 0 and 2 at K=3, layer 1 at K=2
 TOP_LEVEL = ("architectures", "quantization_config", "tie_word_embeddings", "torch_dtype", "bos_token_id",
              "eos_token_id", "pad_token_id")
 ENGRAM = "layers.1.engram"
+WO_B = "language_model.model.layers.0.attn.wo_b"  # a vLLM module name, as non_routed_exl3 declares them
 
 
 def _stand_ins(hidden: int, hc_mult: int) -> dict[str, torch.Tensor]:
@@ -166,14 +167,14 @@ def test_quant_config_under_vllm_v41_names(v41: Path) -> None:
     assert config.vllm_mapper is None and config.packed_modules_mapping == {}
     mapper = _make_deepseek_v4_vl_weights_mapper("fp4", "weight_scale_inv")  # what __init__ builds (no expert_dtype)
     layout = config.summary.layout
+    projections = {layout.projection_names[p]: p for p in ("gate", "up", "down")}
     for prefix in config.summary.quantized_prefixes:
         vllm_name = mapper.map_name(f"{prefix}.trellis")
         block, _, rest = vllm_name.partition(".experts.")
         assert block.startswith("language_model.model.layers."), vllm_name
         expert, projection = rest.split(".")[:2]
         layer = int(LAYER_INDEX.search(block).group(1))
-        names = {layout.projection_names[p]: p for p in ("gate", "up", "down")}
-        assert layout.expert_prefix(layer, int(expert), names[projection]) == prefix
+        assert layout.expert_prefix(layer, int(expert), projections[projection]) == prefix
 
     experts = object.__new__(RoutedExperts)
     torch.nn.Module.__init__(experts)
@@ -185,9 +186,10 @@ def test_quant_config_under_vllm_v41_names(v41: Path) -> None:
     assert mapper.map_name("layers.0.ffn.shared_experts.w2.weight") == \
         "language_model.model.layers.0.ffn.shared_experts.down_proj.weight"
     assert mapper.map_name("vision.blocks.0.attn.qkv.weight") == "vision.blocks.0.attn.qkv.weight"
-    fused = [f"language_model.model.layers.0.attn.{m}" for m in DeepseekV41LLMForCausalLM.packed_modules_mapping]
-    fused = [m.replace("attn.gate_up_proj", "ffn.shared_experts.gate_up_proj") for m in fused]
-    for module in (*fused, "language_model.model.layers.0.ffn.shared_experts.down_proj",
+    assert set(DeepseekV41LLMForCausalLM.packed_modules_mapping) == {"gate_up_proj", "fused_wqa_wkv", "fused_wkv_wgate"}
+    lm = "language_model.model.layers.1"
+    for module in (f"{lm}.attn.fused_wqa_wkv", f"{lm}.attn.compressor.fused_wkv_wgate", f"{lm}.attn.wq_b",
+                   f"{lm}.ffn.shared_experts.gate_up_proj", f"{lm}.ffn.shared_experts.down_proj",
                    f"language_model.model.{ENGRAM}.wkv", "language_model.lm_head"):
         assert not config.is_quantized(module), module
         assert isinstance(config.get_quant_method(linear, module), UnquantizedLinearMethod), module
@@ -216,8 +218,8 @@ REFUSALS = {
     "EXL3 shared expert": ({"tensors": _exl3_set_as("layers.1.ffn.experts.0.w1", "layers.1.ffn.shared_experts.w1")},
                            "layers.1.ffn.shared_experts.w1.trellis: an EXL3 tensor set in a non-routed linear"),
     "non_routed_exl3 declared": (
-        {"quant": lambda q: q.update(non_routed_exl3={"layers": {"language_model.model.layers.0.attn.wo_b": {"bits": 4}}})},
-        "quantization_config.non_routed_exl3.layers.language_model.model.layers.0.attn.wo_b: exllamav3 1.6.5"),
+        {"quant": lambda q: q.update(non_routed_exl3={"layers": {WO_B: {"bits": 4}}})},
+        f"quantization_config.non_routed_exl3.layers.{WO_B}: exllamav3 1.6.5"),
     "expert at another K": ({"tensors": _exl3_set_as("layers.0.ffn.experts.3.w2", "layers.1.ffn.experts.3.w2")},
                             "layers.1.ffn.experts.3.w2.trellis: K=3, but quantization_config.layer_bits.1 declares 2"),
     "missing expert": ({"tensors": _drop("layers.2.ffn.experts.7.w1")},
