@@ -39,7 +39,8 @@ _DENSE_AT_LOAD = re.compile(r"^(head|layers\.\d+\.attn\.((indexer\.)?compressor\
 # DeepSeek-V4.1 (vLLM 0.32 `vllm/models/deepseek_v41/`): a vision-language wrapper around a V4-style text model.
 # Its checkpoint keeps V4's native names (vLLM's `_make_deepseek_v4_vl_weights_mapper` re-roots `layers.` under
 # `language_model.model.` and drops `mtp.`), adds `layers.L.engram.{embed,wkv,q_weight,k_weight}` and the vision
-# tower `vision.*`, `aligner.*`, `image_*`, and has no hash-routed layers.
+# tower `vision.*`, `aligner.*`, `image_*`; vLLM builds its MoE with no hash-routed layer (`num_hash_layers=0`,
+# nvidia/model.py) whatever config.json says.
 V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
 V41_WHY = (
     "exllamav3 1.6.5 defines no DeepSeek-V4.1 architecture, so only its routed experts (named as in DeepSeek-V4) "
