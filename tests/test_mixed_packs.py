@@ -164,9 +164,6 @@ HEADER_REFUSALS = {
     "DeepSeek-V4 vision-language wrapper": (
         {"config": lambda c: c.update(architectures=["DeepseekV4ForConditionalGeneration"])},
         "DeepseekV4ForConditionalGeneration: the DeepSeek-V4 vision-language wrapper is not served"),
-    "DeepSeek-V4.1": (
-        {"config": lambda c: c.update(architectures=["DeepseekV41ForCausalLM"])},
-        "DeepseekV41ForCausalLM: DeepSeek-V4.1 is not served: exllamav3 1.6.5 defines no V4.1 architecture"),
 }
 
 

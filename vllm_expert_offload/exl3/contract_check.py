@@ -14,12 +14,18 @@ from dataclasses import dataclass
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
 from .convert import HEADS, LINEAR_LEAVES
+from .deepseek_v4 import ARCHITECTURE as V4_ARCHITECTURE
+from .deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE, V41_WHY, v41_part
 from .errors import Exl3FormatError
 from .naming import MoeLayout
 from .tensors import Exl3Linear
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
+# DeepSeek-V4/V4.1 checkpoints name a block-FP8 linear's scale `<linear>.scale`; vLLM's mappers rename it to the
+# delegate's parameter (deepseek_v4/nvidia/model.py and deepseek_v41/nvidia/model.py, rule `\.scale$`).
+NATIVE_SCALE = "scale"
+NATIVE_SCALE_ARCHITECTURES = (V4_ARCHITECTURE, V41_ARCHITECTURE)
 # vLLM module -> the checkpoint modules it fuses (packed_modules_mapping of vLLM 0.32's Qwen3-MoE, Mixtral and
 # DeepSeek-V2/V3 models): non_routed_exl3 names vLLM modules, the checkpoint stores each shard.
 VLLM_FUSED = {
@@ -32,10 +38,6 @@ NOT_SERVED = {
     "DeepseekV4ForConditionalGeneration": (
         "the DeepSeek-V4 vision-language wrapper is not served (its `language_model.` tensors and vision tower have "
         "no EXL3 layout in exllamav3 1.6.5); serve the text model as DeepseekV4ForCausalLM"
-    ),
-    "DeepseekV41ForCausalLM": (
-        "DeepSeek-V4.1 is not served: exllamav3 1.6.5 defines no V4.1 architecture, so there is no EXL3 layout to "
-        "check its engram and vision tensors against (DeepSeek-V4, DeepseekV4ForCausalLM, is served)"
     ),
 }
 
@@ -73,11 +75,26 @@ def delegate_tensors(params: Mapping[str, object]) -> DelegateTensors:
     )
 
 
-def not_served_reason(hf_config: Mapping[str, object]) -> str | None:
+def not_served_reason(hf_config: Mapping[str, object], contract: MixedContract | None) -> str | None:
+    """Why a pack of this architecture is not served at all; DeepSeek-V4.1 only as a mixed pack (see V41_WHY)."""
     for arch in hf_config.get("architectures") or []:
         if arch in NOT_SERVED:
             return f"config.json: architectures {arch}: {NOT_SERVED[arch]}"
+        if arch == V41_ARCHITECTURE and contract is None:
+            return (f"config.json: architectures {arch}: {KEY} declares no mixed-pack contract (an exllamav3-native, "
+                    f"all-EXL3 checkpoint); {V41_WHY}")
     return None
+
+
+def refuse_v41_dense_exl3(contract: MixedContract, layout: MoeLayout, linears: Mapping[str, Exl3Linear]) -> None:
+    """A DeepSeek-V4.1 pack is EXL3 in its routed experts only: a declared or stored EXL3 set anywhere else (engram,
+    vision tower, attention, draft layers) has no exllamav3 layout to be checked against, so it is refused by name."""
+    if contract.exl3_layers:
+        module = next(iter(contract.exl3_layers))
+        raise Exl3FormatError(f"{KEY}.non_routed_exl3.layers.{module}: {V41_WHY}")
+    for prefix in linears:
+        if layout.expert_layer(prefix) is None:
+            raise Exl3FormatError(f"{prefix}.trellis: an EXL3 tensor set in {v41_part(prefix)}; {V41_WHY}")
 
 
 def dense_exl3_shards(contract: MixedContract) -> dict[str, tuple[str, float]]:
@@ -99,6 +116,8 @@ class _Checker:
         self.layout = layout
         self.shapes = shapes
         self._delegate: DelegateTensors | None = None
+        self.native_scale = layout.architecture in NATIVE_SCALE_ARCHITECTURES
+        self.scale_suffixes = SCALE_SUFFIXES + ((NATIVE_SCALE,) if self.native_scale else ())
 
     @property
     def delegate(self) -> DelegateTensors:
@@ -137,7 +156,7 @@ class _Checker:
         shape, dtype = self.shapes[f"{prefix}.weight"]
         if dtype not in FLOAT_DTYPES:
             raise Exl3FormatError(f"{prefix}.weight: stored as {dtype}, but {why} serves it unquantized")
-        for suffix in SCALE_SUFFIXES:
+        for suffix in self.scale_suffixes:
             if f"{prefix}.{suffix}" in self.shapes:
                 raise Exl3FormatError(f"{prefix}.{suffix}: a scale of a layer that {why} serves unquantized")
         return "unquantized, as stored"
@@ -153,14 +172,16 @@ class _Checker:
                 f"({rules.detail}, weights {'/'.join(rules.weight_dtypes)}); vLLM would boot this layer with an "
                 f"uninitialized scale. Declare non_routed_dtype_policy 'bf16_as_stored' if the pack keeps it as stored"
             )
-        if f"{prefix}.{rules.scale}" not in self.shapes:
-            raise Exl3FormatError(f"{prefix}.{rules.scale}: missing; the {rules.method} delegate ({rules.detail}) "
+        scale = NATIVE_SCALE if self.native_scale else rules.scale
+        if f"{prefix}.{scale}" not in self.shapes:
+            raise Exl3FormatError(f"{prefix}.{scale}: missing; the {rules.method} delegate ({rules.detail}) "
                                   f"loads it for {prefix}")
         return f"delegated to vLLM {rules.method!r} ({rules.detail})"
 
     def check_source(self, prefixes: Iterable[str]) -> dict[str, str]:
         """Every linear stored as a plain `.weight`: its method, after checking that it can read what is stored."""
         roles = {}
+        unquantized = BUILT_UNQUANTIZED.get(self.layout.architecture)
         for prefix in prefixes:
             layer = self.layout.expert_layer(prefix)
             if layer is not None:
@@ -171,6 +192,8 @@ class _Checker:
                 self._expect_delegate(prefix)
             elif prefix in HEADS:
                 roles[prefix] = self._expect_float(prefix, "vLLM's lm_head (no delegate quantizes it)")
+            elif unquantized is not None and unquantized.search(prefix):
+                roles[prefix] = self._expect_float(prefix, "vLLM (it builds this linear without a quant config)")
             elif self.contract.delegates_dense:
                 roles[prefix] = self._expect_delegate(prefix)
             else:
@@ -195,6 +218,8 @@ def check_contract(
             f"{KEY}.mtp_experts_start_layer: {start} is inside the main model ({layout.num_layers} layers); "
             f"source-format routed experts are served only in draft layers past the main stack"
         )
+    if layout.architecture == V41_ARCHITECTURE:
+        refuse_v41_dense_exl3(contract, layout, linears)
     checker = _Checker(contract, layout, shapes)
     checker.check_exl3(linears)
     plain = [

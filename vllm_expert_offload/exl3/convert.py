@@ -351,6 +351,9 @@ def convert_checkpoint(
             f"{src / 'config.json'}: architectures {hf_config.get('architectures')} are not supported; "
             f"expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
+    if layout.architecture == dsv4.V41_ARCHITECTURE:  # validated and served, but not written here
+        raise Exl3FormatError(f"{src / 'config.json'}: architectures {layout.architecture}: quantize writes "
+                              f"exllamav3 layouts only; {dsv4.V41_WHY}")
     source = _SourceTensors(src)
     _check_output(dst, src)
 

@@ -36,8 +36,40 @@ _DENSE_AT_LOAD = re.compile(r"^(head|layers\.\d+\.attn\.((indexer\.)?compressor\
                             r"|wo_a\.slice\.\d+))$")
 
 
+# DeepSeek-V4.1 (vLLM 0.32 `vllm/models/deepseek_v41/`): a vision-language wrapper around a V4-style text model.
+# Its checkpoint keeps V4's native names (vLLM's `_make_deepseek_v4_vl_weights_mapper` re-roots `layers.` under
+# `language_model.model.` and drops `mtp.`), adds `layers.L.engram.{embed,wkv,q_weight,k_weight}` and the vision
+# tower `vision.*`, `aligner.*`, `image_*`; vLLM builds its MoE with no hash-routed layer (`num_hash_layers=0`,
+# nvidia/model.py) whatever config.json says.
+V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
+V41_WHY = (
+    "exllamav3 1.6.5 defines no DeepSeek-V4.1 architecture, so only its routed experts (named as in DeepSeek-V4) "
+    "have an EXL3 layout to check; a V4.1 pack is served as a mixed pack: routed experts EXL3, the rest as stored"
+)
+V41_VISION_ROOTS = ("vision.", "aligner.")
+# Linears vLLM 0.32 builds without a quant config, so a mixed pack's delegate never serves them and they must be
+# stored as floats: the compressors' `fused_wkv_wgate` (compressor.py) and the indexer's `weights_proj` and `wk`
+# (attention.py) in V4 and V4.1, and V4.1's vision tower (deepseek_v4/common/vision.py, the aligner's w1/w2).
+_BUILT_UNQUANTIZED = r"\.compressor\.w(kv|gate)$|\.indexer\.(weights_proj|wk)$"
+BUILT_UNQUANTIZED = {
+    ARCHITECTURE: re.compile(_BUILT_UNQUANTIZED),
+    V41_ARCHITECTURE: re.compile("|".join([_BUILT_UNQUANTIZED, *(f"^{re.escape(r)}" for r in V41_VISION_ROOTS)])),
+}
+
+
 def is_deepseek_v4(hf_config: Mapping[str, Any]) -> bool:
     return ARCHITECTURE in (hf_config.get("architectures") or [])
+
+
+def v41_part(prefix: str) -> str:
+    """Which part of a DeepSeek-V4.1 checkpoint module `prefix` is, for refusals that name it."""
+    if prefix.startswith(V41_VISION_ROOTS):
+        return "the vision tower"
+    if ".engram." in prefix:
+        return "an engram (n-gram table) layer"
+    if prefix.startswith("mtp."):
+        return "a draft (mtp) layer, which vLLM's V4.1 wrapper drops"
+    return "a non-routed linear"
 
 
 def source_name(name: str) -> str:

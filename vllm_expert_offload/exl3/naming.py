@@ -108,12 +108,21 @@ def _deepseek_v4(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
     )
 
 
+def _deepseek_v41(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+    """DeepSeek-V4.1 keeps DeepSeek-V4's native expert names (`layers.L.ffn.experts.E.w{1,3,2}`, one shared expert
+    block, every layer MoE; vLLM 0.32's V4.1 mapper re-roots them under `language_model.model.`), but its
+    config.json nests the text model's fields under `text_config`: flattened onto the top level first, as vLLM's
+    DeepseekV41Config does (transformers_utils/configs/deepseek_v41.py)."""
+    return _deepseek_v4({**cfg, **(cfg.get("text_config") or {})}, arch)
+
+
 _LAYOUTS = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "MixtralForCausalLM": _mixtral,
     "DeepseekV2ForCausalLM": _deepseek,
     "DeepseekV3ForCausalLM": _deepseek,
     "DeepseekV4ForCausalLM": _deepseek_v4,
+    "DeepseekV41ForCausalLM": _deepseek_v41,
 }
 SUPPORTED_ARCHITECTURES = tuple(_LAYOUTS)
 

@@ -121,11 +121,11 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
 
     `uniform_expert_k`: the MoE kernel that will run needs one K and codebook per projection and layer
     (exllamav3's fused kernels do); the CPU table kernel decodes each expert on its own and mixes freely."""
-    reason = not_served_reason(ckpt.hf_config)
+    contract = ckpt.quant_config.contract
+    reason = not_served_reason(ckpt.hf_config, contract)
     if reason is not None:
         raise Exl3FormatError(reason)
     layout = moe_layout(ckpt.hf_config)
-    contract = ckpt.quant_config.contract
     if layout is not None:
         _check_expert_names(layout, list(ckpt.tensor_files), contract)
     linears = _header_linears(ckpt)
