@@ -5,6 +5,11 @@
 
 #include <torch/extension.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -37,7 +42,9 @@ struct MatmulArgs {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")  // AVX-512 F/BW/CD/DQ/VL, AVX2, FMA
 namespace avx512 {
+#define EXL3_ISA 2  // GCC's target pragma does not define __AVX512F__ & co., so the .inc is told which copy it is
 #include "exl3_matmul.inc"
+#undef EXL3_ISA
 #include "exl3_viterbi.inc"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -45,14 +52,18 @@ namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v3")  // AVX2, FMA, BMI2
 namespace avx2 {
+#define EXL3_ISA 1
 #include "exl3_matmul.inc"
+#undef EXL3_ISA
 #include "exl3_viterbi.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
 
 namespace baseline {  // x86-64 SSE2 (or another CPU's default): std::fma may be a libm call, slow but exact
+#define EXL3_ISA 0
 #include "exl3_matmul.inc"
+#undef EXL3_ISA
 #include "exl3_viterbi.inc"
 }  // namespace baseline
 

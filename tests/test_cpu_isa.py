@@ -18,6 +18,8 @@ from vllm_expert_offload.exl3 import Codebook, parse_linear
 from vllm_expert_offload.exl3.encode import ROW_TARGET_RMS, encode_tiles
 from vllm_expert_offload.kernels import cpu_exl3
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
+from vllm_expert_offload.kernels.expert_blocks import per_row_blocks
+from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 
 ISAS = ("baseline", "avx2", "avx512")
 # __builtin_cpu_supports("x86-64-v3" / "x86-64-v4") in /proc/cpuinfo's names.
@@ -53,6 +55,17 @@ def test_chosen_isa_is_the_best_the_cpu_has(extension: object) -> None:
     assert cpu_exl3.cpu_kernel_isa() == best
 
 
+def _decode_one_row_blocks(layers: list) -> list[torch.Tensor]:
+    """W_hat of each matrix from identity rows, each row in a block of its own (as MoE decode launches them)."""
+    size_k = layers[0].in_features
+    table = matrix_table(layers, own_addresses(layers), torch.device("cpu"))
+    eye = torch.eye(size_k).repeat(len(layers), 1)
+    out = torch.full((eye.shape[0], table.out_features), float("nan"))
+    matrix_of_row = torch.arange(len(layers)).repeat_interleave(size_k)
+    CPU_MATMUL.launch(eye, *per_row_blocks(matrix_of_row, CPU_MATMUL.block_m), table, out)
+    return list(out.split(size_k))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, isa: str) -> None:
     try:
@@ -61,11 +74,16 @@ def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, i
         assert "does not support" in str(exc)
         pytest.skip(f"this CPU has no {isa}")
     assert cpu_exl3.cpu_kernel_isa() == isa
-    cases = ALL_RATES[::4]
+    cases = ALL_RATES
     layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, (k, cb) in enumerate(cases)]
-    for (k, cb), layer, got in zip(cases, layers, _decode_with_kernel(layers, CPU_MATMUL)):
-        expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
-        assert np.array_equal(got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF, expected), (k, cb)
+    # Blocks of many rows (a tile decoded once into a buffer) and of one row each (the decode path: each tile row
+    # multiplied straight from registers) are separate code in the SIMD copies; both must give W_hat exactly.
+    decoded = {"grouped": _decode_with_kernel(layers, CPU_MATMUL), "one row per block": _decode_one_row_blocks(layers)}
+    for how, results in decoded.items():
+        for (k, cb), layer, got in zip(cases, layers, results):
+            expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
+            bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+            assert np.array_equal(bits, expected), (how, k, cb)
     if not torch_addcmul_fuses():
         return  # the torch encoder rounds differently on this CPU (see test_encode_compiled)
     targets = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)) * ROW_TARGET_RMS
