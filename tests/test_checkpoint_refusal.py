@@ -5,14 +5,13 @@ Each case starts from a valid tiny checkpoint and breaks exactly one thing in it
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from edited_checkpoint import edited_checkpoint
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.codebook import MCG_MARKER
 from vllm_expert_offload.exl3.errors import Exl3FormatError
@@ -29,12 +28,7 @@ def valid_model() -> Path:
 
 
 def _broken(valid: Path, tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    out = tmp_path / "broken"
-    shutil.copytree(valid, out)
-    tensors = load_file(out / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, out / "model.safetensors")
-    return out
+    return edited_checkpoint(valid, tmp_path / "broken", edit)
 
 
 def _retrellis(name: str, shape: tuple[int, ...]) -> Callable[[dict], None]:

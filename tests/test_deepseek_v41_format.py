@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from edited_checkpoint import edited_checkpoint
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.codebook import Codebook
 from vllm_expert_offload.exl3.convert import convert_checkpoint
@@ -73,19 +73,8 @@ def v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _edited(pack: Path, tmp_path: Path, tensors: Callable[[dict], None] | None = None,
-            quant: Callable[[dict], None] | None = None) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(pack, out)
-    if tensors is not None:
-        loaded = load_file(out / "model.safetensors")
-        tensors(loaded)
-        save_file(loaded, out / "model.safetensors")
-    if quant is not None:
-        config = json.loads((out / "config.json").read_text())
-        quant(config["quantization_config"])
-        (out / "config.json").write_text(json.dumps(config))
-    return out
+def _edited(pack: Path, tmp_path: Path, tensors=None, quant=None) -> Path:
+    return edited_checkpoint(pack, tmp_path / "edited", tensors, quant)
 
 
 def test_mixed_pack_validates_with_layer_k(v41: Path) -> None:

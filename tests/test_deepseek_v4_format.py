@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from edited_checkpoint import edited_checkpoint
 from vllm_expert_offload.exl3 import deepseek_v4 as dsv4
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.convert import convert_checkpoint
@@ -91,12 +92,7 @@ def test_save_pretrained_naming_quantizes_identically(exl3: Path, tmp_path: Path
 
 
 def _broken(exl3: Path, tmp_path: Path, edit) -> Path:
-    out = tmp_path / "broken"
-    shutil.copytree(exl3, out)
-    tensors = _tensors(out)
-    edit(tensors)
-    save_file(tensors, out / "model.safetensors")
-    return out
+    return edited_checkpoint(exl3, tmp_path / "broken", edit)
 
 
 @pytest.mark.parametrize("case,edit,named", [

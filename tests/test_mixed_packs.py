@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from edited_checkpoint import edited_checkpoint
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.config import parse_quant_config
 from vllm_expert_offload.exl3.errors import Exl3FormatError
@@ -86,21 +86,8 @@ def test_contract_refused_with_key_named(case: str) -> None:
     assert named in str(err.value)
 
 
-def _edited(valid: Path, tmp_path: Path, tensors: Callable[[dict], None] | None = None,
-            quant: Callable[[dict], None] | None = None, config: Callable[[dict], None] | None = None) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(valid, out)
-    if tensors is not None:
-        loaded = load_file(out / "model.safetensors")
-        tensors(loaded)
-        save_file(loaded, out / "model.safetensors")
-    hf = json.loads((out / "config.json").read_text())
-    if quant is not None:
-        quant(hf["quantization_config"])
-    if config is not None:
-        config(hf)
-    (out / "config.json").write_text(json.dumps(hf))
-    return out
+def _edited(valid: Path, tmp_path: Path, tensors=None, quant=None, config=None) -> Path:
+    return edited_checkpoint(valid, tmp_path / "edited", tensors, quant, config)
 
 
 def _refused(path: Path) -> str:
