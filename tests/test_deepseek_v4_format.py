@@ -204,3 +204,15 @@ def test_draft_layers_are_accepted_and_left_to_vllm(exl3: Path, tmp_path: Path) 
     assert not any(p.startswith("mtp.") for parts in decoder.members.values() for p in parts)
     passed = dict(decoder.transform(_stream(path)))
     assert "mtp.0.attn.compressor.wkv.trellis" in passed and "mtp.0.ffn.experts.5.w1.trellis" in passed
+
+
+def test_a_wo_a_without_all_its_slices_is_refused_before_loading(exl3: Path) -> None:
+    """A checkpoint that lacks a whole `wo_a` slice would join into a short `wo_a.weight`; it is refused by name
+    when the sets to decode are grouped, before any tensor streams in."""
+    ckpt = Exl3Checkpoint.open(exl3)
+    prefixes = validate_checkpoint(ckpt).quantized_prefixes - {"layers.0.attn.wo_a.slice.1"}
+    with pytest.raises(Exl3FormatError, match=r"layers\.0\.attn\.wo_a\.slice\.1\.trellis: missing"):
+        dsv4.plain_weights(prefixes, ckpt.hf_config)
+    extra = validate_checkpoint(ckpt).quantized_prefixes | {"layers.0.attn.wo_a.slice.2"}
+    with pytest.raises(Exl3FormatError, match=r"layers\.0\.attn\.wo_a\.slice\.2\.trellis: unexpected"):
+        dsv4.plain_weights(extra, ckpt.hf_config)

@@ -413,16 +413,12 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
     return weight.float() * scale
 
 
-def _join_wo_a_slices(out: dict[str, torch.Tensor]) -> None:
-    """DeepSeek-V4's decoded `wo_a.slice.{g}` back into the one `wo_a.weight` the model declares."""
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    for name in [n for n in out if dsv4.WO_A_SLICE.match(split_name(n)[0])]:
-        match = dsv4.WO_A_SLICE.match(split_name(name)[0])
-        slices.setdefault(dsv4.dense_name(match.group(0)), {})[int(match.group("group"))] = out.pop(name)
-    for name, groups in slices.items():
-        if sorted(groups) != list(range(len(groups))):
-            raise Exl3FormatError(f"{name}: wo_a slices {sorted(groups)} are not 0..{len(groups) - 1}")
-        out[name] = torch.cat([groups[g] for g in range(len(groups))]).contiguous()
+def _join_plain_weights(out: dict[str, torch.Tensor], hf_config: Mapping[str, Any]) -> None:
+    """Decoded sets back into the tensors the model declares (DeepSeek-V4's `wo_a.slice.{g}` -> `wo_a.weight`),
+    joined as the loader joins them (deepseek_v4.plain_weights)."""
+    for dense, parts in dsv4.plain_weights([split_name(n)[0] for n in out if n.endswith(".weight")], hf_config).items():
+        if parts != [split_name(dense)[0]]:
+            out[dense] = torch.cat([out.pop(f"{p}.weight") for p in parts]).contiguous()
 
 
 def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -440,8 +436,7 @@ def write_dense_twin(exl3_dir: str | Path, out_dir: str | Path, dtype: torch.dty
         out[f"{prefix}.weight"] = dequantize(layer)[:out_features, :in_features].to(dtype).contiguous()
         if layer.bias is not None:
             out[f"{prefix}.bias"] = layer.bias[:out_features].to(dtype).contiguous()
-    if dsv4.is_deepseek_v4(ckpt.hf_config):
-        _join_wo_a_slices(out)
+    _join_plain_weights(out, ckpt.hf_config)
     grouped = {name for names in groups.values() for name in names.values()}
     for name in ckpt.tensor_files:
         prefix, suffix = split_name(name)

@@ -13,7 +13,7 @@ transformers' `save_pretrained` writes nearly the same names under `model.` (`so
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import Exl3FormatError
@@ -22,6 +22,7 @@ ARCHITECTURE = "DeepseekV4ForCausalLM"
 HEAD = "head"
 EMBEDDING = "embed"
 WO_A_SLICE = re.compile(r"^(?P<attn>.*\.attn)\.wo_a\.slice\.(?P<group>\d+)$")
+_WO_A_SLICE_REST = re.compile(r"wo_a\.slice\.(\d+)")  # the same, after `layers.L.attn.`
 # Module suffixes (after `layers.L.attn.` / `layers.L.ffn.`) that exllamav3 stores as EXL3 sets.
 _ATTN_EXL3 = ("wq_a", "wq_b", "wkv", "wo_b", "compressor.wkv", "compressor.wgate", "indexer.wq_b",
               "indexer.compressor.wkv", "indexer.compressor.wgate")
@@ -125,7 +126,7 @@ def _attn_shape(rest: str, cfg: Mapping[str, Any], layer: int, is_draft: bool) -
             "indexer.wq_b": (index_heads * index_dim, q_rank), "indexer.weights_proj": (index_heads, hidden),
             "indexer.compressor.wkv": (2 * index_dim, hidden), "indexer.compressor.wgate": (2 * index_dim, hidden),
         }
-    match = re.fullmatch(r"wo_a\.slice\.(\d+)", rest)
+    match = _WO_A_SLICE_REST.fullmatch(rest)
     if match:
         if int(match.group(1)) >= groups:
             return None
@@ -161,7 +162,7 @@ def is_exl3_linear(prefix: str) -> bool:
         return False
     rest = match.group("rest")
     if match.group("block") == "attn":
-        return rest in _ATTN_EXL3 or re.fullmatch(r"wo_a\.slice\.\d+", rest) is not None
+        return rest in _ATTN_EXL3 or _WO_A_SLICE_REST.fullmatch(rest) is not None
     return _FFN_EXL3.match(rest) is not None
 
 
@@ -170,12 +171,34 @@ def wo_a_slices(cfg: Mapping[str, Any]) -> tuple[int, int]:
     return _int(cfg, "o_groups", 8), _int(cfg, "o_lora_rank", 1024)
 
 
-def decoded_at_load(prefix: str) -> bool:
-    """EXL3 sets whose vLLM module needs a plain `.weight` (see _DENSE_AT_LOAD)."""
-    return _DENSE_AT_LOAD.search(prefix) is not None
+def decoded_at_load(prefix: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether EXL3 set `prefix` of this model goes to a vLLM module that needs a plain `.weight` (_DENSE_AT_LOAD):
+    the loader decodes it, and `plan` counts it decoded."""
+    return is_deepseek_v4(hf_config) and _DENSE_AT_LOAD.search(prefix) is not None
 
 
 def dense_name(prefix: str) -> str:
     """The plain tensor a decoded-at-load set becomes: the slices of `wo_a` become rows of one `wo_a.weight`."""
     match = WO_A_SLICE.match(prefix)
     return f"{match.group('attn')}.wo_a.weight" if match else f"{prefix}.weight"
+
+
+def plain_weights(prefixes: Iterable[str], hf_config: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The decoded-at-load sets among `prefixes`, grouped by the plain tensor each becomes, in row order: each
+    `wo_a` from exactly its o_groups slices 0..G-1, a missing or extra slice refused by name. The loader and the
+    dense twin join them the same way."""
+    groups: dict[str, list[str]] = {}
+    for prefix in prefixes:
+        if decoded_at_load(prefix, hf_config):
+            groups.setdefault(dense_name(prefix), []).append(prefix)
+    n_groups = wo_a_slices(hf_config)[0] if groups else 0
+    for dense, parts in groups.items():
+        if not dense.endswith(".wo_a.weight"):
+            continue
+        want = [f"{dense.removesuffix('.weight')}.slice.{g}" for g in range(n_groups)]
+        odd = sorted(set(want).symmetric_difference(parts))
+        if odd:
+            what = "missing" if odd[0] in want else f"unexpected (o_groups is {n_groups})"
+            raise Exl3FormatError(f"{odd[0]}.trellis: {what}; {dense} is joined from slices 0..{n_groups - 1}")
+        groups[dense] = want
+    return groups

@@ -33,6 +33,7 @@ import torch
 
 from ..exl3.codebook import Codebook
 from ..exl3.convert import convert_checkpoint
+from ..exl3.deepseek_v4 import source_name
 from .tiny_models import _write_generation_config, cached_fixture, write_tokenizer
 
 # Release-style config keys (the names DeepSeek's config.json uses; vLLM reads these directly).
@@ -68,16 +69,8 @@ def hf_config_kwargs(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     return {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
 
 
-def native_name(hf_saved: str) -> str:
-    """Release name of a tensor that transformers' `save_pretrained` writes as `hf_saved`."""
-    name = hf_saved.removeprefix("model.")
-    name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
-    name = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
-    return re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
-
-
 def save_pretrained_names(native: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors under the names transformers 5.19's `save_pretrained` writes (inverse of native_name)."""
+    """The same tensors under the names transformers 5.19's `save_pretrained` writes (inverse of exl3.deepseek_v4.source_name)."""
     out = {}
     for name, tensor in native.items():
         hf = re.sub(r"^(layers\.\d+\.attn)\.kv_norm\.weight$", r"\1.norm.weight", name)
@@ -129,7 +122,7 @@ def native_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         saved = load_file(str(Path(tmp) / "model.safetensors"))
     out = {}
     for name, tensor in saved.items():
-        native = native_name(name)
+        native = source_name(name)
         if native.endswith("tid2eid"):
             tensor = tensor.to(torch.int32)
         elif not native.endswith(FP32_SUFFIXES) and tensor.ndim == 2:

@@ -56,12 +56,11 @@ def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, t
     }
     total = 0
     shapes = ckpt.header_shapes()
-    is_v4 = dsv4.is_deepseek_v4(ckpt.hf_config)
     for name, (shape, dtype) in shapes.items():
         prefix, suffix = split_name(name)
         if prefix in summary.linears:
             lin = summary.linears[prefix]
-            read_plain = is_v4 and dsv4.decoded_at_load(prefix)
+            read_plain = dsv4.decoded_at_load(prefix, ckpt.hf_config)
             if prefix not in expert_prefixes:
                 if not (dequantized or read_plain):
                     total += nbytes(shapes, name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -41,13 +42,7 @@ class DecodedAtLoad:
         self.hf_config = hf_config
         self.dtype = dtype
         self.suffixes = summary.suffixes
-        prefixes = sorted(p for p in summary.quantized_prefixes if dsv4.decoded_at_load(p)) \
-            if dsv4.is_deepseek_v4(hf_config) else []
-        self.members: dict[str, list[str]] = {}
-        for prefix in prefixes:
-            self.members.setdefault(dsv4.dense_name(prefix), []).append(prefix)
-        for parts in self.members.values():
-            parts.sort(key=lambda p: int(p.rpartition(".")[2]) if dsv4.WO_A_SLICE.match(p) else 0)
+        self.members = dsv4.plain_weights(summary.quantized_prefixes, hf_config)
         self.target = {prefix: dense for dense, parts in self.members.items() for prefix in parts}
 
     def __bool__(self) -> bool:
@@ -85,11 +80,9 @@ class DecodedAtLoad:
         for dense, done in decoded.items():
             missing = [p for p in self.members[dense] if p not in done]
             raise Exl3FormatError(f"{missing[0]}.trellis: not delivered by the loader; {dense} needs every slice")
-        logger.info(
-            "Decoded %d EXL3 sets into %d plain weights vLLM reads directly (%s) in %.1f s",
-            count, len(self.members), ", ".join(sorted({p.rpartition(".")[2] for p in self.members})),
-            time.perf_counter() - start,
-        )
+        kinds = sorted({re.sub(r"^layers\.\d+\.", "", split_name(dense)[0]) for dense in self.members})
+        logger.info("Decoded %d EXL3 sets into %d plain weights vLLM reads directly (%s) in %.1f s",
+                    count, len(self.members), ", ".join(kinds), time.perf_counter() - start)
 
 
 def _exl3_config(model: torch.nn.Module):
