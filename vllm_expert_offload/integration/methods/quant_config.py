@@ -175,9 +175,9 @@ class Exl3Config(QuantizationConfig):
         return self.summary
 
     def is_quantized(self, prefix: str) -> bool:
-        self._summary()
+        quantized = self._summary().quantized_prefixes
         shards = self.shard_prefixes(prefix)
-        present = [s in self.summary.quantized_prefixes for s in shards]
+        present = [s in quantized for s in shards]
         if any(present) and not all(present):
             missing = [s for s, p in zip(shards, present) if not p]
             raise ValueError(
