@@ -1,0 +1,586 @@
+"""The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve" and
+"DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
+
+Four layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
+(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` on the DeepSeek-V4.1 config the
+project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
+spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
+each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
+three at a time). Every repro case has a twin through the project's own `check-kv` on the configs under
+tests/fixtures (DeepSeek-V4-Flash, V4.1-Flash, Qwen3-30B-A3B: public config.json values), so a bare clone,
+without ../shared, checks the same layouts with the fix on and reproduces the same upstream errors with it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from vllm_expert_offload.integration.kv.rules import (
+    BackendSizes,
+    GroupFacts,
+    KVBlockLayoutError,
+    Member,
+    check_block_sizes,
+    resolve_block_sizes,
+)
+
+from support.paths import FIXTURES, SHARED
+
+# ../shared beside the checkout (present in CI); KV_PLAN_REPRO overrides.
+_SHARED_REPRO = SHARED / "tools" / "kv-plan-repro" / "kv_plan_repro.py"
+REPRO = Path(os.environ.get("KV_PLAN_REPRO", str(_SHARED_REPRO)))
+REPRO41 = REPRO.parent / "kv41_plan_repro.py"
+# Public config.json values carried by the project: DeepSeek-V4.1-Flash (40 layers, compress ratios 0/1/2),
+# DeepSeek-V4-Flash (43 layers, ratios 0/4/128, the repro's dsv4_flash) and Qwen3-30B-A3B (its qwen3moe).
+DSV41_FIXTURE = FIXTURES / "deepseek_v41_flash"
+DSV4_FIXTURE = FIXTURES / "deepseek_v4_flash"
+QWEN_FIXTURE = FIXTURES / "qwen3_30b_a3b"
+DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
+DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
+CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
+SWA = BackendSizes("DEEPSEEK_SPARSE_SWA", multiple_of=(32,))
+
+
+def dsv4_compressed(requested: int) -> GroupFacts:
+    """DeepSeek-V4's packed group: indexer keys (ratio 4) beside the ratio-4 and ratio-128 MLA caches."""
+    members = (Member(DSV4_INDEXER, 4), Member(DSV4_MLA, 4), Member(DSV4_MLA, 128))
+    return GroupFacts("g2", members, requested, packed=True)
+
+
+# ---------------------------------------------------------------- pure resolver
+
+
+@pytest.mark.parametrize("requested", [16, 32, 64, 128, 256])
+def test_dsv4_compressed_group_gets_256_token_pages(requested: int) -> None:
+    assert resolve_block_sizes([dsv4_compressed(requested)]) == {"g2": 256}
+
+
+def test_user_size_kept_where_the_backend_takes_it() -> None:
+    groups = [
+        GroupFacts("swa", (Member(SWA),), 64, packed=True),
+        GroupFacts("full", (Member(CPU_ATTN),), 128),
+        dsv4_compressed(512),  # compressed caches in a packed block may be split into 256-token kernel blocks
+    ]
+    assert resolve_block_sizes(groups) == {"swa": 64, "full": 128, "g2": 512}
+
+
+def test_raised_to_the_smallest_workable_multiple() -> None:
+    assert resolve_block_sizes([GroupFacts("full", (Member(CPU_ATTN),), 16)]) == {"full": 32}
+    flexible_c128 = GroupFacts("c128", (Member(BackendSizes("FLASH_ATTN_MLA", multiple_of=(16,)), 128),), 64)
+    assert resolve_block_sizes([flexible_c128]) == {"c128": 128}  # 64 would hold 0 ratio-128 states
+
+
+def test_packed_token_cache_is_not_split() -> None:
+    token_cache = GroupFacts("tok", (Member(BackendSizes("FIXED", exact=(256,))),), 512, packed=True)
+    assert resolve_block_sizes([token_cache]) == {"tok": 256}
+    assert resolve_block_sizes([GroupFacts("tok", token_cache.members, 512)]) == {"tok": 512}
+
+
+def test_packed_compressed_cache_splits_only_into_unpadded_pages() -> None:
+    """DeepSeek-V4.1 on SM90 (FlashMLA and indexer take [64]): a ratio-2 cache of 584 B records in 576 B-aligned
+    pages would need 64-token kernel pages of 18,688 B, not a multiple of 576, so a 128-token block cannot be
+    split; mega attention's 288 B NVFP4 records in 512 B-aligned pages can."""
+    flashmla = BackendSizes("FLASHMLA_SPARSE_DSV41", exact=(64,))
+    ratio1 = GroupFacts("r1", (Member(flashmla, 1, 584, 576),), 128, packed=True)
+    ratio2 = GroupFacts("r2", (Member(flashmla, 2, 584, 576),), 128, packed=True)
+    assert resolve_block_sizes([ratio1, ratio2]) == {"r1": 64, "r2": 64}
+    mega = GroupFacts("mega", (Member(BackendSizes("FLASHMLA_MEGA_ATTN_DSV41", exact=(128,)), 2, 288, 512),), 256,
+                      packed=True)
+    assert resolve_block_sizes([mega]) == {"mega": 256}
+
+
+@pytest.mark.parametrize(("kernel", "requested", "expected"),
+                         [(128, 64, 128), (128, 128, 128), (64, 64, 64), (64, 128, 64)])
+def test_dsv41_compressed_group(kernel: int, requested: int, expected: int) -> None:
+    """Main MLA and indexer caches of ratio 1 and 2 in one packed group: SM100/SM120 kernels take [128], SM90 [64]."""
+    mla = BackendSizes("FLASHINFER_MLA_SPARSE_DSV41", (kernel,))
+    indexer = BackendSizes("DEEPSEEK_V41_INDEXER", (kernel,))
+    members = (Member(mla, 1, 584, 576), Member(indexer, 1, 132, 576), Member(mla, 2, 584, 576),
+               Member(indexer, 2, 132, 576))
+    assert resolve_block_sizes([GroupFacts("g4", members, requested, packed=True)]) == {"g4": expected}
+
+
+def test_impossible_layout_names_group_backends_and_sizes() -> None:
+    impossible = GroupFacts("g1 (20 layers from model.layers.3.attn)", (Member(BackendSizes("TINY_MLA", (64,)), 128),),
+                            64, packed=True)
+    disjoint = GroupFacts("g2", (Member(BackendSizes("A", (64,))), Member(BackendSizes("B", (128,)))), 64)
+    with pytest.raises(KVBlockLayoutError) as refused:
+        resolve_block_sizes([impossible, dsv4_compressed(64), disjoint])
+    message = str(refused.value)
+    assert "KV-cache group g1 (20 layers from model.layers.3.attn): block size 64 is not usable" in message
+    assert "TINY_MLA takes [64], compression ratio 128" in message
+    assert "A takes [64]; B takes [128]" in message
+    assert message.count("sizes that would work: none") == 2
+
+
+def test_planned_size_refused_with_the_sizes_that_would_work() -> None:
+    check_block_sizes([dsv4_compressed(256), GroupFacts("swa", (Member(SWA),), 64)])
+    with pytest.raises(KVBlockLayoutError) as refused:
+        check_block_sizes([dsv4_compressed(128)])
+    message = str(refused.value)
+    assert message.startswith("KV-cache group g2: block size 128 is not usable (DEEPSEEK_V4_INDEXER takes [256]")
+    assert message.endswith("sizes that would work: 256, 512, 1024, 2048, 4096")
+
+
+# ---------------------------------------------------------------- hooks in vLLM's worker functions
+
+
+@pytest.fixture(scope="module")
+def kv_blocks():
+    """The fix, installed in this process (as `register()` does in every vLLM process)."""
+    import vllm.v1.worker.gpu.attn_utils  # noqa: F401  (Model Runner V2: its bindings must be rebound)
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401  (Model Runner V1)
+
+    from vllm_expert_offload.integration.kv import fix as kv_blocks
+
+    kv_blocks.install()
+    return kv_blocks
+
+
+def _bound(kv_blocks) -> dict[str, object]:
+    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_blocks._hooks()}
+
+
+def test_install_covers_both_runners_and_is_idempotent(kv_blocks) -> None:
+    from vllm_expert_offload.integration.patching import SENTINEL
+
+    before = _bound(kv_blocks)
+    assert len(before) == 6 and all(getattr(fn, SENTINEL, False) for fn in before.values())
+    assert kv_blocks.install() == []
+    assert _bound(kv_blocks) == before
+
+
+def test_unknown_vllm_version_refused(kv_blocks) -> None:
+    from vllm_expert_offload.integration.patching import HookError
+
+    before = _bound(kv_blocks)
+    with pytest.raises(HookError, match=r"checked on vLLM 0\.32, 0\.33 only; this is vLLM 0\.34\.0.*"
+                                        r"VLLM_EXPERT_OFFLOAD_KV_FIX=0"):
+        kv_blocks.install("0.34.0")
+    assert _bound(kv_blocks) == before
+
+
+def test_switch(kv_blocks, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "0")
+    assert kv_blocks.install() == []
+    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "off")
+    with pytest.raises(ValueError, match="use 1 .* or 0"):
+        kv_blocks.install()
+
+
+def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.integration.patching import Hook, HookError
+
+    module = types.ModuleType("fake_vllm_module")
+    module.target = lambda backend, spec: spec
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(HookError, match=r"takes \('backend', 'spec'\); the hook was written for \('spec',\)"):
+        Hook(module.__name__, "target", ("spec",), ("0.32",), lambda fn: fn).install()
+    hook = Hook(module.__name__, "target", ("backend", "spec"), ("0.32",), lambda fn: lambda b, s: (fn(b, s), 1))
+    assert hook.install() and not hook.install()
+    assert module.target(None, 0) == (0, 1)
+
+
+def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> None:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.worker import utils
+
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8, tokens_per_state=4)
+    assert utils.customize_attention_spec(DeepseekV4IndexerBackend, indexer).block_size == 256
+    for size, expected in ((16, 32), (32, 32), (64, 64), (256, 256)):
+        spec = FullAttentionSpec(block_size=size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+        assert utils.customize_attention_spec(CPUAttentionBackend, spec).block_size == expected
+
+
+def _v41_indexer_spec(block_size: int):
+    """DeepSeek-V4.1's ratio-1 indexer key cache as `DeepseekV4IndexerCache.get_kv_cache_spec` builds it on SM100
+    (132 B rows, pages padded to 512 B: 8,448 B padded to 8,704 B at 64 tokens; 16,896 B unpadded at 128)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=132, dtype=torch.uint8, alignment=512)
+
+
+def test_resized_recomputes_padding_for_the_new_block() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_expert_offload.integration.kv.facts import resized
+
+    at_64 = _v41_indexer_spec(64)
+    assert at_64.page_size_bytes == 8704
+    with pytest.raises(AssertionError):  # upstream's copy keeps the padding set for 64 tokens
+        _ = at_64.copy_with_new_block_size(128).page_size_bytes
+    assert resized(at_64, 128) == _v41_indexer_spec(128) and resized(at_64, 128).page_size_bytes == 16896
+    shared = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, page_size_padded=8192)
+    assert resized(shared, 32).page_size_bytes == 8192  # padding set for another reason is kept while it fits
+    with pytest.raises(KVBlockLayoutError, match="padded to 8192 B for 16-token blocks cannot move to 64-token blocks"):
+        resized(shared, 64)
+
+
+@pytest.mark.parametrize(("arch", "expected"), [("sm100", 128), ("sm120", 128), ("sm90", 64)])
+def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, expected: int) -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated(arch):
+        spec = utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(64))
+    assert spec.block_size == expected
+    assert spec.page_size_bytes == _v41_indexer_spec(expected).page_size_bytes
+    assert current_platform.get_device_capability() is None  # the CPU platform again
+
+
+def _planned(block_size: int):
+    """One planned full-attention group on the CPU backend, with the runner's attention group for it."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.utils import AttentionGroup
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    return config, [[AttentionGroup(CPUAttentionBackend, ["l0", "l1"], spec, 0)]]
+
+
+class _Lines(logging.Handler):
+    """Collects one logger's messages, whether or not vLLM's logging config stops propagation."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_kernel_hook_refuses_and_logs_one_line(kv_blocks) -> None:
+    from vllm.v1.worker import gpu_model_runner, utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    refusal = r"g0 \(2 layers from l0\): block size 16 is not usable \(CPU_ATTN takes \[MultipleOf\(32\)\]\); sizes"
+    with pytest.raises(KVBlockLayoutError, match=refusal + " that would work: 32,"):
+        attn_utils.prepare_kernel_block_sizes(*_planned(16))  # Model Runner V2's binding
+    lines, level = _Lines(), kv_blocks.logger.level
+    kv_blocks.logger.addHandler(lines)
+    kv_blocks.logger.setLevel(logging.INFO)
+    try:
+        for _ in range(2):  # the profiling KV cache and the real one: logged once
+            assert gpu_model_runner.prepare_kernel_block_sizes(*_planned(96)) == [96]  # V1's binding
+        assert utils.prepare_kernel_block_sizes(*_planned(96)) == [96]
+    finally:
+        kv_blocks.logger.removeHandler(lines)
+        kv_blocks.logger.setLevel(level)
+    assert lines.lines == ["vllm-expert-offload KV block sizes per group: g0=96 [CPU_ATTN]"]
+
+
+def test_check_kv_subcommand_is_wired() -> None:
+    from vllm_expert_offload.cli import build_parser
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    args = build_parser().parse_args(["check-kv", "m", "--block-size", "64", "--tp", "2"])
+    assert (args.handler, args.block_size, args.tp) == (check_kv_cmd.run, 64, 2)
+
+
+def _check_kv_args(model: Path, block_size: int, gpu_arch: str | None = None, backend: str | None = None,
+                   tp: int = 1, kv_gib: float = 8.0) -> argparse.Namespace:
+    return argparse.Namespace(model_dir=model, block_size=block_size, tp=tp, attention_backend=backend,
+                              gpu_arch=gpu_arch, max_model_len=8192, kv_gib=kv_gib)
+
+
+# (--gpu-arch, --attention-backend) -> the compressed (main MLA + indexer) group's line at --block-size 64 and 128.
+V41_GROUP = {
+    ("sm120", None): "36 layers, block 128, kernel 128, page 8640/17280/37440/74880 B "
+                     "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", None): "36 layers, block 128, kernel 128, page 8704/16896/18432/36864 B "
+                     "[FLASHMLA_MEGA_ATTN_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): "36 layers, block 128, kernel 128, page 8704/16896/65536/131072 B "
+                                              "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+    ("sm90", None): "36 layers, block 64, kernel 64, page 4608/8640/19008/37440 B "
+                    "[FLASHMLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+}
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(("arch", "backend"), list(V41_GROUP))
+def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
+                                          block_size: int) -> None:
+    """The carried V4.1 config through spec construction, planning, the engine's block sizes, the worker's
+    kernel blocks and its kernel-block views, with the fix: the compressed group gets its GPU's block, the
+    sliding-window groups keep their 32 and the compressor states their 8."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, block_size, arch, backend, kv_gib=32.0)) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek_v41, --block-size {block_size}, --tp 1, --gpu-arch {arch}" in out
+    assert f"  g4: {V41_GROUP[arch, backend]}" in out and out.rstrip().endswith("OK"), out
+    assert out.count("block 32, kernel 32, page") == 4 and "g5: 9 layers, block 8, kernel 8" in out
+
+
+def test_dsv41_block_sizes_logged_in_one_line(kv_blocks, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    monkeypatch.setattr(kv_blocks, "_logged", set())  # earlier tests logged this layout already
+    lines, level = _Lines(), kv_blocks.logger.level
+    kv_blocks.logger.addHandler(lines)
+    kv_blocks.logger.setLevel(logging.INFO)
+    try:
+        assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64, "sm120", kv_gib=32.0)) == 0
+    finally:
+        kv_blocks.logger.removeHandler(lines)
+        kv_blocks.logger.setLevel(level)
+    capsys.readouterr()
+    assert "g4=128 (asked 64) [FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]; g5=8 [CompressorBackend]" in (
+        lines.lines[-1]), lines.lines
+    assert lines.lines[-1].startswith("vllm-expert-offload KV block sizes per group: g0=32 [DEEPSEEK_SPARSE_SWA]; ")
+
+
+def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
+    assert "FAILED at spec construction: ValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
+           "with --gpu-arch sm90|sm100|sm120" in capsys.readouterr().out
+
+
+def test_check_kv_reports_vllms_own_dsv41_errors_with_the_fix_off() -> None:
+    """Upstream, on the same config: SM120 and SM100 refuse 64 in the worker; SM90 plans 128 but cannot view its
+    ratio-1 caches' packed 128-token blocks as the 64-token kernel blocks FlashMLA takes."""
+    script = (
+        "import sys; from pathlib import Path; from vllm_expert_offload.cli import main\n"
+        "for arch, size in (('sm120', 64), ('sm100', 64), ('sm90', 128)):\n"
+        "    main(['check-kv', sys.argv[1], '--block-size', str(size), '--gpu-arch', arch, '--kv-gib', '32'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
+    run = _run([sys.executable, "-c", script, str(DSV41_FIXTURE)], env)
+    out = run.stdout
+    assert out.count("KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)") == 3, _output(run)[-4000:]
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHMLA_MEGA_ATTN_DSV41: " \
+           "[128])." in out
+    assert "FAILED at worker KV views: ValueError: FLASHMLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed " \
+           "128-token KV cache blocks cannot be split into." in out
+
+
+# ---------------------------------------------------------------- vLLM's planning, via the shared repro
+
+# compress_ratios per layer, the last entry for the MTP layer (0: sliding window only).
+PATTERNS = {
+    "c128_first": [128, 4, 128, 4, 0, 128, 128, 4, 128, 4, 128, 4, 0],
+    "more_layers": [0] + [4, 4, 128] * 20 + [0],
+}
+# kv41_plan_repro's --attn and --cap: RTX PRO 6000 (SM120), B200 with FlashInfer and with mega attention, H200.
+DSV41_BACKENDS = [("flashinfer_sm120", 120), ("flashinfer", 100), ("mega", 100), ("flashmla", 90)]
+
+
+def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
+    """A DeepSeek-V4-Flash config.json with another layer pattern."""
+    config = json.loads((DSV4_FIXTURE / "config.json").read_text())
+    config.update(num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """Every subprocess this module needs, three at a time; keyed by case, "+plugin" with the plugins loaded."""
+    if not REPRO.exists():
+        pytest.skip(f"kv-plan-repro not found at {REPRO} (set KV_PLAN_REPRO); its check-kv twins below run without it")
+    data = tmp_path_factory.mktemp("data")
+    repro = [sys.executable, str(REPRO)]
+    cases = {
+        "flash+plugin": [*repro, "--plugins", "--block-sizes", "32,64,128,256", "--expect-ok", "32,64,128,256"],
+        "flash": [*repro, "--block-sizes", "64,128", "--expect-ok", "64,128"],
+    }
+    repro41 = [sys.executable, str(REPRO41), "--avail-gib", "32"]
+    for attn, cap in DSV41_BACKENDS:
+        cases[f"v41 {attn}+plugin"] = [*repro41, "--plugins", "--attn", attn, "--cap", str(cap),
+                                       "--block-sizes", "64,128", "--expect-ok", "64,128"]
+    cases["v41 flashinfer_sm120"] = [*repro41, "--attn", "flashinfer_sm120", "--cap", "120",
+                                     "--block-sizes", "64", "--expect-ok", "64"]
+    for name, ratios in PATTERNS.items():
+        pattern = [*repro, "--dsv4-config", str(_dsv4_config(data / name, ratios))]
+        cases[f"{name}+plugin"] = [*pattern, "--plugins", "--block-sizes", "64,128", "--expect-ok", "64,128"]
+        cases[name] = [*pattern, "--block-sizes", "64", "--expect-ok", "64"]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_EXPERT_OFFLOAD_KV_FIX")}
+    envs = {name: env for name in cases}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(_run, command, envs[name]) for name, command in cases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _output(run: subprocess.CompletedProcess) -> str:
+    return run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("case", ["flash+plugin", "c128_first+plugin", "more_layers+plugin"])
+def test_repro_passes_with_the_plugin(runs, case: str) -> None:
+    run = runs[case]
+    assert run.returncode == 0 and "all OK" in run.stdout, _output(run)[-4000:]
+
+
+def test_flash_keeps_sliding_window_and_qwen_plans_at_every_size(runs) -> None:
+    out = runs["flash+plugin"].stdout
+    for size in (64, 128):
+        assert f"bs={size:<4} layout=BLHNC group_bs=[64, 64, 256, 4, 8]" in out, out[-4000:]
+    qwen = out[out.index("=== SUMMARY Qwen3-MoE"):].splitlines()
+    for size in (32, 64, 128, 256):
+        line = next(line for line in qwen if line.startswith(f"bs={size:<4} layout=LBHNC kernel_bs=[{size}]"))
+        assert line.endswith("-> OK"), line
+
+
+@pytest.mark.parametrize("case", ["flash", "c128_first", "more_layers"])
+def test_repro_fails_without_the_plugin(runs, case: str) -> None:
+    run = runs[case]
+    out = _output(run)
+    assert run.returncode == 1 and "expected OK at" in out and "FAILED DSv4 bs=64" in out, out[-4000:]
+    assert "ZeroDivisionError" in out
+    assert re.search(r"No common block size for 64 \((DEEPSEEK_V4_INDEXER|FLASHMLA_SPARSE_DSV4): \[256\]\)", out)
+
+
+def test_flash_128_fails_in_the_worker_without_the_plugin(runs) -> None:
+    out = runs["flash"].stdout
+    assert "FAILED DSv4 bs=64, DSv4 bs=128" in out
+    assert "ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])" in out
+
+
+@pytest.mark.parametrize(("attn", "cap"), DSV41_BACKENDS)
+def test_dsv41_repro_passes_with_the_plugin(runs, attn: str, cap: int) -> None:
+    run = runs[f"v41 {attn}+plugin"]
+    assert run.returncode == 0 and "expect-ok [64, 128]: all OK" in run.stdout, _output(run)[-4000:]
+    compressed = 64 if cap == 90 else 128
+    for size in (64, 128):
+        assert f"bs={size:<4} layout=BLHNC group_bs=[32, 32, 32, 32, {compressed}, 8]" in run.stdout, run.stdout[-4000:]
+
+
+def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
+    """The seeds' crash: DeepSeek-V4.1-Flash on RTX PRO 6000 at --block-size 64, upstream."""
+    run = runs["v41 flashinfer_sm120"]
+    assert run.returncode == 1 and "FAILED at [64]" in run.stdout, _output(run)[-4000:]
+    assert "ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])." in run.stdout
+
+
+
+
+def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
+    assert check_kv_cmd.run(_check_kv_args(model, 128, tp=2)) == 0
+    out = capsys.readouterr().out
+    assert "KV block-size fix on" in out and out.rstrip().endswith("OK")
+    assert "block 256, kernel 256, page 1728/8640/37440 B [FLASHMLA_SPARSE_DSV4, DEEPSEEK_V4_INDEXER]" in out
+
+
+# ---------------------------------------------------------------- the repro's cases through check-kv (a bare clone)
+
+
+def _group_blocks(out: str) -> list[int]:
+    """The planned block size of each KV-cache group, in group order, from check-kv's report."""
+    return [int(size) for size in re.findall(r"^  g\d+: \d+ layers, block (\d+)", out, flags=re.MULTILINE)]
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128, 256])
+def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.CaptureFixture, block_size: int) -> None:
+    """Twin of the repro's flash+plugin case: with the fix, the compressed group gets its 256-token pages while
+    the sliding-window groups keep 64 and the compressor states 4 and 8, whatever --block-size asks."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV4_FIXTURE, block_size)) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek_v4, --block-size {block_size}, --tp 1" in out and out.rstrip().endswith("OK"), out
+    assert _group_blocks(out) == [64, 64, 256, 4, 8], out
+    assert "g2: 62 layers, block 256, kernel 256, page 1728/8640/37440 B [DEEPSEEK_V4_INDEXER, FLASHMLA_SPARSE_DSV4]" in out
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
+                                           block_size: int) -> None:
+    """Twin of the repro's c128_first+plugin and more_layers+plugin cases: other layer orders plan too."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    model = _dsv4_config(tmp_path / pattern, PATTERNS[pattern])
+    assert check_kv_cmd.run(_check_kv_args(model, block_size)) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and 256 in _group_blocks(out), out
+    assert "compression 128, page 0 B" not in out  # the upstream planning's empty ratio-128 page
+
+
+@pytest.mark.parametrize(("requested", "planned"), [(16, 32), (32, 32), (64, 64), (128, 128), (256, 256)])
+def test_check_kv_plans_qwen_on_the_cpu_backend(kv_blocks, capsys: pytest.CaptureFixture, requested: int,
+                                                planned: int) -> None:
+    """Twin of the repro's Qwen3-MoE summary: CPU_ATTN takes multiples of 32, so 16 is raised to 32 (upstream
+    refuses it, see the fix-off test below) and every multiple of 32 is kept."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(QWEN_FIXTURE, requested, backend="CPU_ATTN")) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and _group_blocks(out) == [planned], out
+    assert f"g0: 48 layers, block {planned}, kernel {planned}," in out
+
+
+# (model, --block-size, extra check-kv arguments) -> what upstream vLLM says; checked in one subprocess.
+UPSTREAM_CASES = {
+    "flash 64": ("deepseek_v4_flash", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "flash 128": ("deepseek_v4_flash", 128, [],
+                  "FAILED at worker kernel blocks: ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])."),
+    "c128_first 64": ("c128_first", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "more_layers 64": ("more_layers", 64, [], "FAILED at engine planning: ZeroDivisionError"),
+    "qwen 16": ("qwen3_30b_a3b", 16, ["--attention-backend", "CPU_ATTN"],
+                "FAILED at worker kernel blocks: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."),
+}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """check-kv's report per UPSTREAM_CASES entry with VLLM_EXPERT_OFFLOAD_KV_FIX=0 (a subprocess: the fix is
+    installed in this one)."""
+    data = tmp_path_factory.mktemp("patterns")
+    models = {"deepseek_v4_flash": DSV4_FIXTURE, "qwen3_30b_a3b": QWEN_FIXTURE}
+    models |= {name: _dsv4_config(data / name, ratios) for name, ratios in PATTERNS.items()}
+    cases = [[name, str(models[model]), size, extra] for name, (model, size, extra, _) in UPSTREAM_CASES.items()]
+    script = (
+        "import json, sys; from vllm_expert_offload.cli import main\n"
+        "for name, model, size, extra in json.loads(sys.argv[1]):\n"
+        "    print(f'=== {name}', flush=True)\n"
+        "    print('exit', main(['check-kv', model, '--block-size', str(size), *extra]), flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
+    run = _run([sys.executable, "-c", script, json.dumps(cases)], env)
+    assert run.returncode == 0, _output(run)[-4000:]
+    parts = run.stdout.split("=== ")[1:]
+    return {part.split("\n", 1)[0]: part for part in parts}
+
+
+@pytest.mark.parametrize("case", list(UPSTREAM_CASES))
+def test_check_kv_reproduces_upstream_errors_with_the_fix_off(upstream: dict[str, str], case: str) -> None:
+    """Twins of the repro's runs without the plugin and of its V4 worker failure at 128: vLLM's own errors."""
+    out = upstream[case]
+    assert "KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)" in out and "exit 1" in out, out
+    assert UPSTREAM_CASES[case][3] in out, out
+    if case == "flash 64":
+        assert "compression 128, page 0 B" in out  # why planning divides by zero

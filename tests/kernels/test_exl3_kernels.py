@@ -1,0 +1,263 @@
+"""The trellis-reading backends on the CPU: the Triton kernel under TRITON_INTERPRET=1 (set by conftest before
+Triton is imported) and the compiled CPU kernel, through the same launcher contract and the same glue.
+
+References: the exact-arithmetic decoder in exl3_reference.py for W_hat (bit for bit), and the torch table
+kernel (`TableMoE`, itself tested against the format definition) for whole MoE layers. Sizes stay small:
+the interpreter costs about a millisecond per program.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
+from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
+from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
+from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
+from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear
+from vllm_expert_offload.kernels.table_moe import ExpertCrop
+from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+
+from support import exl3_reference as ref
+from support.layers import make_layer
+from support.moe_layers import (
+    ALL_RATES,
+    CPU,
+    FULL,
+    HIDDEN,
+    INTERMEDIATE,
+    TIERS,
+    NoHostSync,
+    assert_close_to_reference,
+    decode_with_kernel,
+    expert_sets,
+    placed_moe,
+    routing,
+)
+
+BACKENDS = {"triton": TRITON_MATMUL, "cpu": CPU_MATMUL}
+
+
+@pytest.fixture(params=list(BACKENDS), scope="module")
+def backend(request) -> MatmulBackend:
+    return BACKENDS[request.param]
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_decode_is_bit_exact_for_every_rate_and_codebook(backend: MatmulBackend, chunk: int) -> None:
+    """Every K (1-8, 1.5/2.5/3.5) and codebook, nine matrices of mixed K and codebook per launch."""
+    cases = ALL_RATES[chunk * 9 : (chunk + 1) * 9]
+    layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, (k, cb) in enumerate(cases)]
+    for (k, cb), layer, got in zip(cases, layers, decode_with_kernel(layers, backend)):
+        expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
+        bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        assert np.array_equal(bits, expected), f"K={k} {cb}: {np.count_nonzero(bits != expected)} weights differ"
+
+
+def test_decode_negative_control_wrong_codebook_differs(backend: MatmulBackend) -> None:
+    """The comparison above can fail: the same trellis read as MCG instead of MUL1 is another matrix."""
+    layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=0))
+    wrong = Exl3Linear(layer.name, layer.trellis, layer.suh, layer.svh, Codebook.MCG, layer.k)
+    expected = ref.rotated_weight_bits(layer.trellis.numpy(), 3, "mul1").astype(np.int64)
+    bits = decode_with_kernel([wrong], backend)[0].half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    assert np.count_nonzero(bits != expected) > 128 * 128 // 2
+
+
+def test_grouped_blocks_cover_every_row_once_with_its_matrix() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for rows, matrices in ((1, 4), (37, 5), (300, 8)):
+        ids = torch.randint(0, matrices, (rows,), generator=gen)
+        row_ids, block_matrix = grouped_blocks(ids, matrices, 16)
+        assert block_matrix.shape[0] == -(-rows // 16) + matrices  # depends on shapes only
+        listed = row_ids.reshape(-1, 16)
+        seen = sorted(int(r) for r in listed.flatten() if r >= 0)
+        assert seen == list(range(rows))
+        for block, members in zip(block_matrix.tolist(), listed.tolist()):
+            members = [m for m in members if m >= 0]
+            if block < 0:
+                assert not members
+            else:
+                assert members and all(int(ids[m]) == block for m in members)
+    per_row, per_block = per_row_blocks(torch.tensor([3, 1, 3]), 16)
+    assert per_block.tolist() == [3, 1, 3] and per_row.reshape(3, 16)[:, 0].tolist() == [0, 1, 2]
+    assert (per_row.reshape(3, 16)[:, 1:] == -1).all()
+    rows_, blocks_ = single_matrix_blocks(17, 16, CPU)
+    assert blocks_.tolist() == [0, 0] and rows_.tolist() == list(range(17)) + [-1] * 15
+
+
+# --- routed experts -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_layer(backend: MatmulBackend):
+    return placed_moe(FULL, backend)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 64, 300])
+def test_moe_matches_table_kernel(full_layer, tokens: int) -> None:
+    """Decode (Triton: <= 8 tokens, one slot per program) and grouped prefill against the torch reference."""
+    reference, triton, _ = full_layer
+    x, weights, ids = routing(tokens, seed=tokens)
+    want = reference.forward(x, weights, ids, False)
+    got = triton.forward(x, weights, ids, False)
+    assert_close_to_reference(got, want)
+
+
+def test_moe_router_weight_on_input(full_layer) -> None:
+    reference, triton, _ = full_layer
+    x, weights, ids = routing(5, seed=1)
+    want = reference.forward(x, weights, ids, True)
+    assert_close_to_reference(triton.forward(x, weights, ids, True), want)
+    assert not torch.allclose(want, reference.forward(x, weights, ids, False), rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("crop", "swiglu_limit"),
+    [
+        (ExpertCrop(100, 96, 32), None),  # hidden and intermediate not on 128-blocks, a non-zero crop offset
+        (ExpertCrop(HIDDEN, 64, 192), 0.5),  # the last quarter of a simulated TP 4 split, clamp on
+    ],
+)
+def test_moe_tensor_parallel_crop_and_clamp(
+    backend: MatmulBackend, crop: ExpertCrop, swiglu_limit: float | None
+) -> None:
+    reference, triton, _ = placed_moe(crop, backend, swiglu_limit, seed=1)
+    for tokens in (3, 20):
+        x, weights, ids = routing(tokens, seed=tokens)
+        x = x[:, : crop.hidden].contiguous()
+        want = reference.forward(x, weights, ids, False)
+        assert_close_to_reference(triton.forward(x, weights, ids, False), want)
+
+
+def test_clamp_changes_the_result() -> None:
+    """Negative control for the clamp case: a limit this low must matter, in both backends alike."""
+    crop = ExpertCrop(HIDDEN, 64, 192)
+    unclamped, _, _ = placed_moe(crop, CPU_MATMUL, None, seed=1)
+    clamped, _, _ = placed_moe(crop, CPU_MATMUL, 0.5, seed=1)
+    x, weights, ids = routing(3, seed=3)
+    assert not torch.allclose(unclamped.forward(x, weights, ids, False), clamped.forward(x, weights, ids, False))
+
+
+def test_moe_kernel_owns_what_its_tables_point_to(backend: MatmulBackend) -> None:
+    """The tables hold raw addresses; once the loader's references are gone the kernel must keep the GPU-tier
+    trellises alive (freed memory reused by new tensors would otherwise be decoded as weights)."""
+    reference, triton, _ = placed_moe(FULL, backend, seed=2)
+    x, weights, ids = routing(4, seed=4)
+    want = reference.forward(x, weights, ids, False)
+    del reference
+    gc.collect()
+    scribble = [torch.full((HIDDEN * INTERMEDIATE,), -1, dtype=torch.int16) for _ in range(64)]
+    assert_close_to_reference(triton.forward(x, weights, ids, False), want)
+    del scribble
+
+
+# --- dense linears --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_linear_matches_dequantized_for_fused_shards_with_offsets(backend: MatmulBackend, rows: int) -> None:
+    """Two shards of one fused layer: one with this rank's part inside its 128-cover at an offset (and zero
+    padding rows, as a padded vocabulary), one plain; the input also sits at an offset in its cover."""
+    q = parse_linear(make_layer(3, "mul1", 256, 256, seed=5), "q")
+    k = parse_linear(make_layer(2.5, "mul1", 256, 128, seed=6), "k")
+    shards = [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
+    x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(304)
+    want = DequantizedLinear(shards, torch.float32, CPU).forward(x, bias)
+    got = RotatedLinear(shards, CPU, backend).forward(x, bias)
+    assert got.shape == (rows, 304)
+    assert_close_to_reference(got, want)
+    assert (got[:, 160:176] == bias[160:176]).all()  # padding rows carry only the bias
+
+
+def test_linear_fp16_and_bf16_activations_round_like_exllamav3() -> None:
+    """Half-precision models multiply in fp16 after the input rotation on Triton: close to fp32, not equal."""
+    layer = parse_linear(make_layer(4, "mul1", 128, 128, seed=7), "o")
+    shard = [LinearShard(layer, 0, 128, 128, 0, 128)]
+    x = torch.randn(3, 128)
+    want = DequantizedLinear(shard, torch.float32, CPU).forward(x)
+    kernel = RotatedLinear(shard, CPU, TRITON_MATMUL)
+    for dtype in (torch.float16, torch.bfloat16):
+        got = kernel.forward(x.to(dtype))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+# --- no host synchronisation (what CUDA-graph capture needs) -------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_forward_makes_no_host_synchronisation(full_layer, backend: MatmulBackend, tokens: int) -> None:
+    reference, triton, _ = full_layer
+    x, weights, ids = routing(tokens, seed=tokens)
+    layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
+    linear = RotatedLinear([LinearShard(layer, 0, 128, 128, 0, 128)], CPU, backend)
+    with NoHostSync():
+        triton.forward(x, weights, ids, False)
+        linear.compute(x)
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        reference.forward(x, weights, ids, False)  # negative control: the torch reference does sync
+
+
+def _tensors_held(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor reachable from a kernel object's attributes, dataclass fields and containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__"):
+        children = list(vars(obj).values())
+    else:
+        return []
+    return [t for child in children for t in _tensors_held(child, seen)]
+
+
+def test_trellis_reading_linear_keeps_no_decoded_copy(backend: MatmulBackend) -> None:
+    """What such a linear holds is the quantized set (trellis, scales) and its tiny tables, nothing dense."""
+    layer = parse_linear(make_layer(3, "mul1", 256, 256, seed=9), "o")
+    shards = [LinearShard(layer, 0, 256, 256, 0, 256)]
+    held = _tensors_held(RotatedLinear(shards, CPU, backend))
+    assert not [t for t in held if t.is_floating_point() and t.dtype != torch.float16]
+    quantized = sum(t.numel() * t.element_size() for t in (layer.trellis, layer.suh, layer.svh))
+    assert sum(t.numel() * t.element_size() for t in held) <= quantized + 64
+    dense = _tensors_held(DequantizedLinear(shards, torch.float32, CPU))
+    assert sum(t.numel() * t.element_size() for t in dense) == 256 * 256 * 4  # the opt-in does hold it
+
+
+def test_trellis_reading_moe_holds_only_the_quantized_experts(backend: MatmulBackend) -> None:
+    """The memory behind every tensor the MoE kernel holds, counted once per storage, is exactly: GPU-tier
+    trellises, the host arena, each expert's suh/svh once, the small tables and the crop mask. Nothing decoded."""
+    _, kernel, arena = placed_moe(FULL, backend, seed=3)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors_held(kernel)}
+    experts = expert_sets(3)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    gpu_trellises = sum(nbytes(lin.trellis) for s, gpu in zip(experts, TIERS) if gpu for lin in s.values())
+    scales = sum(nbytes(lin.suh) + nbytes(lin.svh) for s in experts for lin in s.values())
+    tables = sum(nbytes(t) for table in kernel.tables.values() for t in (table.trellis, table.twice_k, table.codebook))
+    assert sum(storages.values()) == gpu_trellises + arena.capacity_bytes + scales + tables + nbytes(kernel.keep_channels)
+
+
+def test_tensor_parallel_slice_of_a_linear_reads_the_right_tiles(backend: MatmulBackend) -> None:
+    """A TP slice of the output dim is a strided view of the trellis; the kernel gets a dense copy (and a table
+    over a strided trellis is refused rather than read as if it were dense)."""
+    from vllm_expert_offload.exl3.slicing import cover_output
+
+    whole = parse_linear(make_layer(3, "mul1", 128, 256, seed=11), "qkv")
+    half, offset = cover_output(whole, 128, 256)
+    assert not half.trellis.is_contiguous() and offset == 0
+    shard = LinearShard(half, 0, 128, 128, 0, 128)
+    x = torch.randn(2, 128)
+    want = DequantizedLinear([shard], torch.float32, CPU).forward(x)
+    assert_close_to_reference(RotatedLinear([shard], CPU, backend).forward(x), want)
+    with pytest.raises(ValueError, match="qkv.trellis is a strided view"):
+        matrix_table([half], own_addresses([half]), CPU)

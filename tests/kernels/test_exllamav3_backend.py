@@ -1,0 +1,192 @@
+"""The exllamav3 backend's call sites on the CPU, against a fake extension whose functions take exactly the
+argument lists of exllamav3 1.6.5's headers (so a call the headers would not accept fails here) and compute
+what the real kernels compute in a form simple enough to check: expert e maps a row x to (e + 1) x, so the
+routing glue (sorting by expert, slot bases, the k-order gather, chunking, padding, router weights) is checked
+exactly; exl3_gemm is the dequantized product. The kernels themselves run in tests/kernels/test_exllamav3_gpu.py."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.exl3.decode import dequantize_kn
+from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels import exllamav3_backend
+from vllm_expert_offload.kernels.exllamav3_backend import MOE_ROWS, SIGNATURES, Exllamav3Linear, Exllamav3MoE
+from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
+from vllm_expert_offload.kernels.pointer_tables import (
+    build_pointer_tables,
+    host_record_bytes,
+    kernel_address,
+    place_expert,
+    stack_scales,
+)
+from vllm_expert_offload.kernels.table_moe import ExpertCrop
+from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.testing.random_layers import random_linear
+
+from support.exllamav3_headers import header_signature
+from support.layers import make_layer
+from support.moe_layers import NoHostSync
+
+CPU = torch.device("cpu")
+EXPERTS, HIDDEN = 6, 128
+
+
+def _coop(a: dict) -> None:
+    x, sel, rw = a["x"].float(), a["sel"], a["rw"].float()
+    assert a["min_expert"] == -1 and a["Hi"] == x.shape[1] and (a["ctr"] == 0).all()
+    assert sel.shape[0] <= 8 and a["out"].shape[0] == 8  # fixed rows: the counter layout never moves
+    a["out"][: x.shape[0]] = ((sel.float() + 1) * rw).sum(1, keepdim=True) * x
+
+
+def _moe(a: dict) -> None:
+    count, start = a["expert_count"], a["fused_base"]
+    assert a["num_active"] == -1 and a["count_lo"] == 1 and (count <= a["count_hi"]).all()
+    assert a["temp_state_g"].shape[1] >= a["count_hi"] and a["hidden_state"].dtype == torch.float16
+    expert_of = torch.repeat_interleave(torch.arange(count.numel()), count)
+    for i, (e, t) in enumerate(zip(expert_of.tolist(), a["token_sorted"].tolist())):
+        slot = start[e] + i - (torch.cumsum(count, 0) - count)[e]
+        a["output_scratch"][slot] = a["weight_sorted"][i].float() * (e + 1) * a["hidden_state"][t].float()
+
+
+def _gather(a: dict) -> None:
+    top_k = a["flat_expert"].numel() // a["output_state"].shape[0]
+    for slot_index, e in enumerate(a["flat_expert"].tolist()):  # token-major, k order within a token
+        assert a["slot_kind"][e] == 1
+        slot = a["slot_base"][e] + a["inv_order"][slot_index] - a["expert_start"][e]
+        a["output_state"][slot_index // top_k] += a["output_scratch"][slot]
+
+
+def _gemm(a: dict) -> None:
+    codebook = Codebook.MCG if a["mcg"] else Codebook.MUL1 if a["mul1"] else Codebook.INST3
+    layer = Exl3Linear("fake", a["B"], a["suh"], a["svh"], codebook, a["B"].shape[2] / 16)
+    assert a["A"].dtype == torch.float16 and a["A_had"].shape == a["A"].shape and a["force_shape_idx"] == -1
+    a["C"][:] = a["A"].float() @ dequantize_kn(layer)
+
+
+SEMANTICS = {"exl3_moe_coop": _coop, "exl3_moe": _moe, "exl3_moe_gather": _gather,
+             "exl3_moe_max_concurrency": lambda a: 2, "exl3_gemm": _gemm}
+
+
+def make_fake_ext(semantics: dict) -> types.ModuleType:
+    """An exllamav3_ext stand-in: each function takes the header's argument list and runs `semantics[name]` on it
+    by the header's argument names; `calls` records the order of calls."""
+    calls: list[str] = []
+
+    def function(name: str):
+        names = [argument for argument, _ in header_signature(name)]
+
+        def call(*args):
+            assert len(args) == len(names), f"{name} takes {len(names)} arguments, called with {len(args)}"
+            calls.append(name)
+            return semantics[name](dict(zip(names, args)))
+
+        return call
+
+    ext = types.ModuleType("exllamav3_ext")
+    ext.calls = calls
+    for name in SIGNATURES:
+        setattr(ext, name, function(name))
+    return ext
+
+
+@pytest.fixture
+def fake_ext() -> types.ModuleType:
+    return make_fake_ext(SEMANTICS)
+
+
+def _layer(fake_ext) -> Exllamav3MoE:
+    """A uniform MUL1 layer, the odd experts in a host arena; every table is the plugin's own."""
+    gen = torch.Generator().manual_seed(0)
+    sets = [{p: random_linear(gen, HIDDEN, HIDDEN, 3) for p in PROJECTIONS} for _ in range(EXPERTS)]
+    tiers = [e % 2 == 0 for e in range(EXPERTS)]
+    arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, tiers) if not gpu), device=CPU)
+    placed, _ = stack_scales([place_expert(s, gpu, arena, CPU) for s, gpu in zip(sets, tiers)], CPU)
+    tables = build_pointer_tables(placed, kernel_address(arena, CPU), CPU)
+    return Exllamav3MoE(placed, tables, arena, ExpertCrop(HIDDEN - 32, HIDDEN, 0), CPU, ext=fake_ext)
+
+
+def _routing(tokens: int, top_k: int):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN - 32, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(tokens)])
+    return x, torch.rand(tokens, top_k, generator=gen), ids
+
+
+@pytest.mark.parametrize(("tokens", "kernels"), [
+    (1, ["exl3_moe_coop"]), (8, ["exl3_moe_coop"]),
+    (9, ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather"]),
+    (2 * MOE_ROWS + 3, ["exl3_moe_max_concurrency"] + ["exl3_moe", "exl3_moe_gather"] * 3),
+])
+def test_moe_routes_every_slot_through_the_right_kernel(fake_ext, tokens: int, kernels: list[str]) -> None:
+    layer = _layer(fake_ext)
+    x, weights, ids = _routing(tokens, top_k=2)
+    got = layer.forward(x, weights, ids, False)
+    want = ((ids.float() + 1) * weights.half().float()).sum(1, keepdim=True) * x.half().float()
+    assert fake_ext.calls == kernels and got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_moe_router_weight_on_input(fake_ext) -> None:
+    layer = _layer(fake_ext)
+    x, weights, ids = _routing(3, top_k=1)
+    want = (ids.float() + 1) * (x * weights.to(x.dtype)).half().float()
+    torch.testing.assert_close(layer.forward(x, weights, ids, True).float(), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="top-k 1"):
+        layer.forward(*_routing(3, top_k=2), True)
+
+
+def test_moe_refuses_a_layer_outside_its_constraints(fake_ext) -> None:
+    layer = _layer(fake_ext)
+    mixed = [replace(layer.experts[0], projections={**layer.experts[0].projections,
+                                                     "down": replace(layer.experts[0].projections["down"], k=4.0)})]
+    with pytest.raises(ValueError, match="one K per projection"):
+        Exllamav3MoE(mixed + layer.experts[1:], layer.pointer_tables, None, ExpertCrop(96, 128, 0), CPU, ext=fake_ext)
+
+
+def test_warm_up_runs_once_in_the_profile_run(fake_ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exllamav3_backend, "_profiling", lambda: True)
+    layer = _layer(fake_ext)
+    layer.forward(*_routing(2, top_k=2), False)
+    layer.forward(*_routing(2, top_k=2), False)
+    assert fake_ext.calls == ["exl3_moe_coop"] * 9 + ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather",
+                                                      "exl3_moe_coop"]
+    monkeypatch.setattr(exllamav3_backend, "capture_sizes", lambda: (1, 4, 16))
+    linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
+                             ext=fake_ext)
+    fake_ext.calls.clear()
+    linear.forward(torch.randn(2, 128))
+    linear.forward(torch.randn(2, 128))
+    assert fake_ext.calls == ["exl3_gemm"] * 5  # three capture sizes, then the two calls
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_linear_matches_dequantized_for_fused_shards_with_offsets(fake_ext, rows: int) -> None:
+    q = parse_linear(make_layer(3, "mcg", 256, 256, seed=5), "q")
+    k = parse_linear(make_layer(2.5, "mul1", 256, 128, seed=6), "k")
+    shards = [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
+    x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
+    want = DequantizedLinear(shards, torch.float32, CPU).forward(x)
+    got = Exllamav3Linear(shards, CPU, ext=fake_ext).forward(x)
+    assert got.shape == (rows, 304) and fake_ext.calls == ["exl3_gemm"] * 2
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_glue_makes_no_host_synchronisation(tokens: int) -> None:
+    """Everything around the launches is device ops (the kernels are no-ops here): capturable in a CUDA graph."""
+    ext = make_fake_ext({name: (lambda a: 2) if name == "exl3_moe_max_concurrency" else (lambda a: None)
+                         for name in SIGNATURES})
+    layer = _layer(ext)
+    linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
+                             ext=ext)
+    x, weights, ids = _routing(tokens, top_k=2)
+    layer.forward(x, weights, ids, False)  # allocates the scratch and temps, once, before capture
+    with NoHostSync():
+        layer.forward(x, weights, ids, False)
+        linear.compute(torch.randn(tokens, 128))

@@ -1,0 +1,128 @@
+"""`--additional-config expert_offload` options and the crash line: bad values refused with the key named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_expert_offload.integration.offload.options import OffloadOptionError, parse_offload_options
+from vllm_expert_offload.integration.startup.crash_line import CrashLineError, check_crash_line
+
+GIB = 1 << 30
+
+
+def test_absent_entry_changes_nothing() -> None:
+    assert not parse_offload_options(None).offloads
+    assert not parse_offload_options({"other_plugin": {}}).offloads
+
+
+def test_valid_options(tmp_path) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text("{}")
+    opts = parse_offload_options({"expert_offload": {"gpu_budget_gib": 12.5, "stats": str(stats)}})
+    assert opts.offloads and opts.gpu_budget_gib == 12.5 and opts.stats == stats and opts.min_free_fraction == 0.03
+    assert parse_offload_options({"expert_offload": {"host_fraction": 1}}).host_fraction == 1.0
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ({"host_fraction": 1.5}, "expert_offload.host_fraction"),
+        ({"host_fraction": "half"}, "expert_offload.host_fraction"),
+        ({"host_fraction": True}, "expert_offload.host_fraction"),
+        ({"gpu_budget_gib": -1}, "expert_offload.gpu_budget_gib"),
+        ({"gpu_budget_gib": float("nan")}, "expert_offload.gpu_budget_gib"),
+        ({"plan": "/nonexistent/plan.json"}, "expert_offload.plan"),
+        ({"host_fracton": 0.5}, "expert_offload.host_fracton"),
+        ({"host_fraction": 0.5, "gpu_budget_gib": 4}, "give one of"),
+        ({"host_fraction": 0.5, "stats": "/tmp"}, "expert_offload.stats"),
+        ({"min_free_fraction": 0.9}, "expert_offload.min_free_fraction"),
+        ({"record_stats": ""}, "expert_offload.record_stats"),
+        ({"kernel": "cuda"}, "expert_offload.kernel"),
+        ({"dequantize_linears": "yes"}, "expert_offload.dequantize_linears"),
+    ],
+)
+def test_bad_values_refused_with_key_named(raw: dict, named: str) -> None:
+    with pytest.raises(OffloadOptionError, match=named.replace(".", r"\.")):
+        parse_offload_options({"expert_offload": raw})
+
+
+def test_not_an_object_refused() -> None:
+    with pytest.raises(OffloadOptionError, match="expected an object"):
+        parse_offload_options({"expert_offload": 0.5})
+
+
+def test_crash_line_passes_with_margin() -> None:
+    check_crash_line(free_bytes=5 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                     gpu_memory_utilization=0.95, gpu_expert_sizes=[GIB] * 4)
+
+
+def test_crash_line_refuses_with_both_remedies() -> None:
+    # 1 GiB free of 100 GiB with a 3% line: 2 GiB short.
+    with pytest.raises(CrashLineError) as err:
+        check_crash_line(free_bytes=1 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.95, gpu_expert_sizes=[GIB // 2] * 10)
+    message = str(err.value)
+    assert "1.00 GiB of 100.00 GiB" in message and "3% crash line (3.00 GiB)" in message
+    assert "--gpu-memory-utilization to 0.930" in message
+    assert "at least 4 more experts to the host tier" in message
+
+
+def test_crash_line_counts_the_activation_headroom_as_taken() -> None:
+    """5 GiB free right after the KV cache passes a 3 % line, unless vLLM's activation peak will take 4 of them."""
+    args = dict(free_bytes=5 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03, gpu_memory_utilization=0.95,
+                gpu_expert_sizes=[GIB] * 4)
+    check_crash_line(**args, activation_headroom=2 * GIB)
+    with pytest.raises(CrashLineError) as err:
+        check_crash_line(**args, activation_headroom=4 * GIB)
+    assert "4.00 GiB is vLLM's activation headroom, leaving 1.00 GiB" in str(err.value)
+    assert "--gpu-memory-utilization to 0.930" in str(err.value)
+
+
+def test_crash_line_advice_follows_an_explicit_kv_cache_size() -> None:
+    with pytest.raises(CrashLineError, match=f"--kv-cache-memory-bytes to {20 * GIB - 2 * GIB} or less"):
+        check_crash_line(free_bytes=1 * GIB, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB], kv_cache_memory_bytes=20 * GIB)
+
+
+def test_crash_line_when_experts_cannot_cover_it() -> None:
+    with pytest.raises(CrashLineError, match="would not free enough"):
+        check_crash_line(free_bytes=0, total_bytes=100 * GIB, min_free_fraction=0.03,
+                         gpu_memory_utilization=0.9, gpu_expert_sizes=[GIB])
+
+
+def test_kernel_options_parsed() -> None:
+    assert parse_offload_options(None).kernel == "auto"
+    opts = parse_offload_options({"expert_offload": {"kernel": "triton", "dequantize_linears": True}})
+    assert (opts.kernel, opts.dequantize_linears) == ("triton", True)
+    assert not opts.offloads  # choosing a kernel places nothing
+
+
+def test_record_stats_interval(tmp_path) -> None:
+    path = str(tmp_path / "stats.json")
+    assert parse_offload_options({"expert_offload": {"record_stats": path}}).record_stats_interval_s == 300.0
+    opts = parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": 2.5}})
+    assert (opts.record_stats, opts.record_stats_interval_s) == (tmp_path / "stats.json", 2.5)
+    for bad in (0, -5, "300", float("inf")):
+        with pytest.raises(OffloadOptionError, match=r"--additional-config expert_offload\.record_stats_interval_s"):
+            parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": bad}})
+    with pytest.raises(OffloadOptionError, match=r"record_stats_interval_s: only used together with record_stats"):
+        parse_offload_options({"expert_offload": {"record_stats_interval_s": 60}})
+
+
+def test_record_stats_path_that_cannot_be_written_is_refused_with_the_path_named(tmp_path) -> None:
+    missing = tmp_path / "no-such-dir" / "stats.json"
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    blocked.chmod(0o500)
+    # root writes anywhere permissions say it may not; /proc/self takes no new files from anyone
+    unwritable = (Path("/proc/self") if os.geteuid() == 0 else blocked) / "stats.json"
+    cases = [(missing, "does not exist"), (tmp_path, "is a directory"), (unwritable, "is not writable")]
+    for path, reason in cases:
+        with pytest.raises(OffloadOptionError) as err:
+            parse_offload_options({"expert_offload": {"record_stats": str(path)}})
+        message = str(err.value)
+        assert message.startswith("--additional-config expert_offload.record_stats:") and str(path) in message
+        assert reason in message

@@ -1,0 +1,108 @@
+"""Shared pieces of the kernel tests: one MoE layer of mixed K, codebooks and tiers, its routing, the W_hat
+read-back through a launcher, and the host-synchronisation net used by every no-sync test."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_expert_offload.exl3 import Exl3Linear, parse_linear
+from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels.expert_blocks import grouped_blocks
+from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
+from vllm_expert_offload.kernels.pointer_tables import (
+    build_pointer_tables,
+    host_record_bytes,
+    kernel_address,
+    place_expert,
+    stack_scales,
+)
+from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedMoE
+from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
+from vllm_expert_offload.memory import HostArena
+
+from .layers import make_layer
+
+ALL_RATES = [(k, cb) for k in range(1, 9) for cb in ("3inst", "mcg", "mul1")] + [(k, "mul1") for k in (1.5, 2.5, 3.5)]
+CPU = torch.device("cpu")
+
+
+def decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list[torch.Tensor]:
+    """W_hat of each matrix, read back by multiplying identity rows through one launch over all of them."""
+    size_k = layers[0].in_features
+    table = matrix_table(layers, own_addresses(layers), CPU)
+    eye = torch.eye(size_k).repeat(len(layers), 1)
+    matrix_of_row = torch.arange(len(layers)).repeat_interleave(size_k)
+    out = torch.full((eye.shape[0], table.out_features), float("nan"))
+    backend.launch(eye, *grouped_blocks(matrix_of_row, len(layers), backend.block_m), table, out)
+    return list(out.split(size_k))
+
+
+HIDDEN, INTERMEDIATE = 128, 256
+TIERS = (True, False, True, False, False, True)  # GPU tier (registry addresses) or host arena, interleaved
+RATES = [(3, "mul1"), (2.5, "mul1"), (4, "mcg"), (2, "3inst"), (3, "mul1"), (5, "mul1")]
+
+
+def expert_sets(seed: int) -> list[dict[str, Exl3Linear]]:
+    """Mixed K and codebooks across experts and across the three projections of one expert."""
+    shapes = {"gate": (HIDDEN, INTERMEDIATE), "up": (HIDDEN, INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}
+    sets = []
+    for e, _ in enumerate(TIERS):
+        sets.append({
+            p: parse_linear(make_layer(*RATES[(e + i) % len(RATES)], *shapes[p], seed=100 * seed + 10 * e + i),
+                            f"experts.{e}.{p}")
+            for i, p in enumerate(PROJECTIONS)
+        })
+    return sets
+
+
+def placed_moe(
+    crop: ExpertCrop, backend: MatmulBackend, swiglu_limit: float | None = None, seed: int = 0,
+    device: torch.device = CPU,
+):
+    """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena."""
+    sets = expert_sets(seed)
+    arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
+    placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]
+    experts, scales = stack_scales(placed, device)
+    tables = build_pointer_tables(experts, kernel_address(arena, device), device)
+    reference = TableMoE(experts, tables, arena, crop, torch.float32, device, swiglu_limit)
+    kernel = RotatedMoE(experts, tables, scales, arena, crop, device, backend, swiglu_limit)
+    return reference, kernel, arena
+
+
+def routing(tokens: int, seed: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(len(TIERS), generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    return x.to(device), weights.to(device), ids.to(device)
+
+
+FULL = ExpertCrop(HIDDEN, INTERMEDIATE, 0)
+
+
+def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 on both sides, in a different order (rotated basis vs dequantized weights); the random scales make
+    large terms that cancel, so the tolerance is relative to the output's magnitude."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op whose result shape or control flow needs the device's data on the host, and on any
+    copy from a device to the host: in a CUDA graph these either break capture or freeze one batch's values."""
+
+    FORBIDDEN = ("aten::nonzero", "aten::unique", "aten::_unique", "aten::unique_dim", "aten::unique_consecutive",
+                 "aten::_local_scalar_dense", "aten::masked_select", "aten::item")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith(self.FORBIDDEN):
+            raise AssertionError(f"host synchronisation: {name}")
+        if name in ("aten::_to_copy", "aten::copy_", "aten::to"):
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            target = (kwargs or {}).get("device")
+            sources = {t.device.type for t in tensors}
+            if "cpu" in {getattr(target, "type", target)} and sources - {"cpu"}:
+                raise AssertionError(f"device-to-host copy: {name}")
+        return func(*args, **(kwargs or {}))
