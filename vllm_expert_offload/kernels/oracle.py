@@ -18,7 +18,8 @@ Backends and what they compute:
   `dequantize_linears` asks for it.
 - exllamav3: exllamav3 1.6.5's compiled CUDA kernels over the same pointer tables (`exllamav3_backend.py`):
   exl3_moe_coop / exl3_moe for routed experts of layers within their constraints (one codebook, MCG or MUL1,
-  one K per projection and one for gate and up, no TP crop or clamp), exl3_gemm for every dense linear.
+  one K per projection and one for gate and up, no TP crop or clamp, rates its kernels take), exl3_gemm for dense
+  linears of rates it takes (`rate_refusal`); under auto a refused linear falls back like a refused MoE layer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exllamav3_backend import Exllamav3Linear, Exllamav3MoE, exllamav3_unavailable, moe_refusal
+from .exllamav3_backend import Exllamav3Linear, Exllamav3MoE, exllamav3_unavailable, linear_refusal, moe_refusal
 from .linear import DequantizedLinear, LinearShard
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
 from .rotated import MatmulBackend, RotatedLinear, RotatedMoE
@@ -158,11 +159,19 @@ def _log_once(message: str) -> None:
 
 
 def build_linear_kernel(choice: KernelChoice, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device):
-    if choice.linear == "dequantized":
+    backend = choice.linear
+    if backend == "exllamav3":
+        refusal = linear_refusal(shards)
+        if refusal is None:
+            return Exllamav3Linear(shards, device)
+        if choice.fallback is None:
+            raise BackendUnavailable(f"--additional-config expert_offload.kernel='exllamav3' cannot compute "
+                                     f"{shards[0].layer.name}: {refusal}")
+        backend = "dequantized" if choice.fallback == "torch" else choice.fallback
+        _log_once(f"EXL3 kernels: {shards[0].layer.name} and linears like it -> {backend} (exllamav3: {refusal})")
+    if backend == "dequantized":
         return DequantizedLinear(shards, dtype, device)
-    if choice.linear == "exllamav3":
-        return Exllamav3Linear(shards, device)
-    return RotatedLinear(shards, device, _matmul_backend(choice.linear))
+    return RotatedLinear(shards, device, _matmul_backend(backend))
 
 
 def _matmul_backend(name: str) -> MatmulBackend:
