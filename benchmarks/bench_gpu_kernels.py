@@ -131,23 +131,24 @@ class PlacedLayer:
     picks, per expert, which copy the pointer tables address (the least popular experts on host)."""
 
     def __init__(self, shape: dict, k: float, device: torch.device, out: JsonLines) -> None:
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device).manual_seed(0)  # drawn where they are placed: seconds, not minutes, for V4.1
         sizes = {"gate": (shape["hidden"], shape["intermediate"]), "up": (shape["hidden"], shape["intermediate"]),
                  "down": (shape["intermediate"], shape["hidden"])}
         self.shape, self.device = shape, device
-        self.sets = [{p: random_linear(gen, *sizes[p], k) for p in PROJECTIONS} for _ in range(shape["experts"])]
-        self.expert_bytes = sum(self.sets[0][p].nbytes() for p in PROJECTIONS)
-        self.gpu = [place_expert(s, True, None, device) for s in self.sets]
+        sets = [{p: random_linear(gen, *sizes[p], k) for p in PROJECTIONS} for _ in range(shape["experts"])]
+        self.experts = len(sets)
+        self.expert_bytes = sum(sets[0][p].nbytes() for p in PROJECTIONS)
+        self.gpu = [place_expert(s, True, None, device) for s in sets]
         self.arena, self.host, self.arena_error = None, None, None
         try:
-            self.arena = HostArena(sum(host_record_bytes(s) for s in self.sets), device=device)
-            self.host = [place_expert(s, False, self.arena, device) for s in self.sets]
+            self.arena = HostArena(sum(host_record_bytes(s) for s in sets), device=device)
+            self.host = [place_expert(s, False, self.arena, device) for s in sets]
         except (OSError, RuntimeError, ValueError) as exc:  # cudaHostRegister or MADV_DONTFORK refused by this runtime
             self.arena_error = f"{type(exc).__name__}: {exc}"
             out.write({"row": "host_arena", "status": "failed", "error": self.arena_error, "shape": shape})
 
     def kernel(self, backend: str, on_host: np.ndarray):
-        placed = [self.host[e] if on_host[e] else self.gpu[e] for e in range(len(self.sets))]
+        placed = [self.host[e] if on_host[e] else self.gpu[e] for e in range(self.experts)]
         placed, scales = stack_scales(placed, self.device)
         arena = self.arena if on_host.any() else None
         tables = build_pointer_tables(placed, kernel_address(arena, self.device), self.device)

@@ -18,8 +18,9 @@ its own (`"probe": "host_arena", "status": "failed"`) and the host-tier reads fa
   reference's per-batch reads of host-tier experts use.
 - pattern: one projection per selected expert (a Qwen3-30B-A3B gate: 2048 x 768, K=3) read in the access pattern of
   the Triton kernel (each weight of a 64x64 block loads its two 16-bit units of the ring, `_ring_units` of
-  kernels/triton_exl3.py) and of exllamav3's kernels (each 16-row tile row read as contiguous runs of 8 tiles,
-  128 columns, by 4-byte loads of consecutive lanes: exl3_gemm's TILESIZE_N 128 and exl3_moe_coop's gemv_tile).
+  kernels/triton_exl3.py, on the kernel's own decode grid: one program per (expert, 64 columns)) and of exllamav3's
+  kernels (each 16-row tile row read as contiguous runs of 8 tiles, 128 columns, by 4-byte loads of consecutive
+  lanes, the rows split 16 ways: exl3_gemm's TILESIZE_N 128 and exl3_moe_coop's gemv_tile over 16 warps).
 Timing: CUDA events around each launch, the L2 flushed before each (a write of twice its size), median of the repeats.
 """
 
@@ -49,6 +50,11 @@ SMOKE = {"read_sizes": [4 * KIB, 64 * KIB], "total_bytes": 64 * KIB, "host_bytes
 READ_BLOCK = 1024  # int32 words (4 KiB) per step of a program: 8 words per thread, two 16-byte loads
 READ_STEPS = 16  # steps per program: 64 KiB per program
 EXL3_RUN_TILES = 8  # tiles read side by side per tile row in exllamav3's pattern
+EXL3_K_SPLIT = 16  # its tile rows split over 16 warps (exl3_moe_coop's gemv_tile), so as many programs here
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
 class JsonLines:
@@ -113,16 +119,18 @@ def _triton_pattern(table_ptr, out_ptr, size_k, size_n, k_int, k_half, BLOCK_N: 
 
 
 @triton.jit
-def _exllamav3_pattern(table_ptr, out_ptr, tile_rows, row_words, run_words, BLOCK: tl.constexpr):
-    """Per 16-row tile row, one contiguous run of 8 tiles (128 columns) read by consecutive lanes' 4-byte loads."""
-    matrix, run = tl.program_id(0), tl.program_id(1)
+def _exllamav3_pattern(table_ptr, out_ptr, rows_per_part, row_words, run_words, BLOCK: tl.constexpr):
+    """Per 16-row tile row, one contiguous run of 8 tiles (128 columns) read by consecutive lanes' 4-byte loads; the
+    tile rows split over `program_id(2)` as exllamav3 splits k over warps and blocks."""
+    matrix, run, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     trellis = tl.load(table_ptr + matrix).to(tl.pointer_type(tl.int32))
     lanes = tl.arange(0, BLOCK)
     offs = run * run_words + lanes
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for row in range(tile_rows):
+    for row in range(part * rows_per_part, (part + 1) * rows_per_part):
         acc ^= tl.load(trellis + row * row_words + offs, mask=lanes < run_words, other=0)
-    tl.store(out_ptr + matrix * tl.num_programs(1) + run, tl.reduce(acc, 0, _xor))
+    index = (matrix * tl.num_programs(1) + run) * tl.num_programs(2) + part
+    tl.store(out_ptr + index, tl.reduce(acc, 0, _xor))
 
 
 class Clock:
@@ -243,12 +251,14 @@ def probe_patterns(tier: str, base: Callable[[int], int], region: int, shape: di
     turn = iter(range(10**9))
     rates = {}
     blocks_n = p["out"] // 64
-    sink = torch.empty(matrices * max(blocks_n, p["out"] // (16 * EXL3_RUN_TILES)), dtype=torch.int32, device=device)
+    runs, splits = p["out"] // (16 * EXL3_RUN_TILES), _divisor_at_most(p["in"] // 16, EXL3_K_SPLIT)
+    sink = torch.empty(matrices * max(blocks_n, runs * splits), dtype=torch.int32, device=device)
     launches = {
         "triton": lambda: _triton_pattern[(matrices, blocks_n)](
             tables[next(turn) % 4], sink, p["in"], p["out"], k_int, k_half, BLOCK_N=64, BLOCK_K=64),
-        "exllamav3": lambda: _exllamav3_pattern[(matrices, p["out"] // (16 * EXL3_RUN_TILES))](
-            tables[next(turn) % 4], sink, p["in"] // 16, (p["out"] // 16) * units // 2, EXL3_RUN_TILES * units // 2,
+        "exllamav3": lambda: _exllamav3_pattern[(matrices, runs, splits)](
+            tables[next(turn) % 4], sink, p["in"] // 16 // splits, (p["out"] // 16) * units // 2,
+            EXL3_RUN_TILES * units // 2,
             BLOCK=triton.next_power_of_2(EXL3_RUN_TILES * units // 2)),
     }
     for backend, launch in launches.items():
