@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bandwidth_probe import Clock, JsonLines, rooflines  # noqa: E402
+from gpu_bandwidth_probe import Clock, JsonLines, choose_device, rooflines  # noqa: E402
 
 from vllm_expert_offload.exl3.naming import PROJECTIONS  # noqa: E402
 from vllm_expert_offload.kernels.linear import LinearShard  # noqa: E402
@@ -335,16 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=140.0, help="rows that would start after this are skipped")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
+    device = choose_device(parser, args.smoke)
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs Triton on the CPU: set TRITON_INTERPRET=1")
-        device, cfg = torch.device("cpu"), SMOKE
-        models = {"smoke": {**SMOKE_MODEL, "tp": 1}}
-    elif torch.cuda.is_available():
-        device, cfg = torch.device("cuda", 0), FULL
-        models = {name: model_shape(name, ranks) for name, ranks in MODELS.items()}
+        cfg, models = SMOKE, {"smoke": {**SMOKE_MODEL, "tp": 1}}
     else:
-        parser.error("no CUDA device (use --smoke for the CPU code path)")
+        cfg, models = FULL, {name: model_shape(name, ranks) for name, ranks in MODELS.items()}
     out, budget = JsonLines(args.out), Budget(args.budget_s)
     probe = rooflines(args.rooflines) if args.rooflines else None
     counts, source = routing_counts(args.routing)

@@ -296,20 +296,24 @@ def run(shape: dict, device: torch.device, out: JsonLines) -> dict:
     return out.write(summary)
 
 
+def choose_device(parser: argparse.ArgumentParser, smoke: bool) -> torch.device:
+    """The CPU under Triton's interpreter for --smoke (the code path only), else the first CUDA device, else an error."""
+    if smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--smoke runs Triton on the CPU: set TRITON_INTERPRET=1")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device (use --smoke for the CPU code path)")
+    return torch.device("cuda", 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON lines file to append to")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs Triton on the CPU: set TRITON_INTERPRET=1")
-        device, shape = torch.device("cpu"), SMOKE
-    elif torch.cuda.is_available():
-        device, shape = torch.device("cuda", 0), FULL
-    else:
-        parser.error("no CUDA device (use --smoke for the CPU code path)")
-    summary = run(shape, device, JsonLines(args.out))
+    device = choose_device(parser, args.smoke)
+    summary = run(SMOKE if args.smoke else FULL, device, JsonLines(args.out))
     print(f"HBM {summary['hbm_gbs']:.0f} GB/s; host ({summary['host']}) coalesced {summary['host_read_gbs']:.1f} GB/s, "
           f"triton pattern {summary['host_pattern_gbs']['triton']:.1f}, exllamav3 pattern "
           f"{summary['host_pattern_gbs']['exllamav3']:.1f}; pinned H2D copy {summary['h2d_copy_gbs']:.1f} GB/s")
