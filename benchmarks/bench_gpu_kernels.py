@@ -43,24 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bandwidth_probe import Clock, JsonLines, choose_device, rooflines  # noqa: E402
 
 from vllm_expert_offload.exl3.naming import PROJECTIONS  # noqa: E402
+from vllm_expert_offload.kernels.contract import ExpertCrop, LinearLayer, MoELayer  # noqa: E402
 from vllm_expert_offload.kernels.linear import LinearShard  # noqa: E402
 from vllm_expert_offload.kernels.oracle import (  # noqa: E402
     KernelChoice,
     build_linear_kernel,
     build_moe_kernel,
-    exllamav3_unavailable,
-    triton_unavailable,
+    why_unavailable,
 )
-from vllm_expert_offload.kernels.pointer_tables import (  # noqa: E402
-    build_pointer_tables,
-    host_record_bytes,
-    kernel_address,
-    place_expert,
-    stack_scales,
-)
-from vllm_expert_offload.kernels.table_moe import ExpertCrop  # noqa: E402
+from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales  # noqa: E402
 from vllm_expert_offload.memory import HostArena  # noqa: E402
-from vllm_expert_offload.testing.random_layers import random_linear  # noqa: E402
+from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert  # noqa: E402
+from vllm_expert_offload.tools.random_layers import random_linear  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"qwen3_30b_a3b": 1, "deepseek_v41_flash": 2}  # fixture -> tensor-parallel ranks of the reference deployment
@@ -152,8 +146,8 @@ class PlacedLayer:
         arena = self.arena if on_host.any() else None
         tables = build_pointer_tables(placed, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.shape["hidden"], self.shape["intermediate"], 0)
-        return build_moe_kernel(KernelChoice(backend, backend, "benchmark"), placed, tables, scales, arena, crop,
-                                torch.bfloat16, self.device)
+        layer = MoELayer(placed, tables, scales, arena, crop, torch.bfloat16, self.device)
+        return build_moe_kernel(KernelChoice(backend, backend, "benchmark"), layer)
 
 
 def host_experts(popularity: np.ndarray, share: float) -> np.ndarray:
@@ -167,7 +161,7 @@ def host_experts(popularity: np.ndarray, share: float) -> np.ndarray:
 
 def usable_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:
     """The backends that can run on `device`, and why each other one cannot."""
-    why_not = {"exllamav3": exllamav3_unavailable(device), "triton": triton_unavailable(device), "torch": None}
+    why_not = {name: why_unavailable(name, device) for name in BACKENDS}
     return [b for b in BACKENDS if why_not[b] is None], {b: why for b, why in why_not.items() if why is not None}
 
 
@@ -320,7 +314,8 @@ def bench_linear(cfg: dict, backends: list[str], timing: Timing, budget: Budget,
         for backend in backends:
             if backend == "torch" or budget.left() < 5:
                 continue
-            kernel = build_linear_kernel(KernelChoice(backend, backend, "benchmark"), shards, torch.bfloat16, device)
+            kernel = build_linear_kernel(KernelChoice(backend, backend, "benchmark"),
+                                         LinearLayer(shards, torch.bfloat16, device))
             warm = (lambda: kernel.warm_up([rows])) if backend == "exllamav3" else None
             times, how = timing.run(lambda: kernel.forward(x), lambda i: None, True, warm)
             out.write({**base, "backend": backend, "timing": how, **_stats(times), "bytes": layer.nbytes()})

@@ -1,7 +1,8 @@
 """What the GPU check runs imports on a machine without vLLM (the lent GPU machine has none), checked here with vLLM
 made unimportable by a sys.meta_path blocker in a child interpreter. Which modules pull vLLM in: only those under
-integration/ (and testing's engine helpers); the kernels reach vLLM lazily (exllamav3_backend.capture_sizes falls back
-to "nothing captured"), and the package's register() imports the plugin only when vLLM calls it."""
+integration/ (and testing's engine helpers): the kernels and the offload core read no vLLM state (the profiling flag
+lives in offload/phase.py, capture sizes are handed down), and the package's register() imports the plugin only when
+vLLM calls it."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ sys.path.insert(0, "tests")
 """
 # Everything scripts/gpu-check.sh imports before the engine steps: the kernels and memory tiers, the benchmarks, the
 # GPU tests (with their helpers), the CLI's topology command.
-MODULES = ("vllm_expert_offload", "vllm_expert_offload.kernels.oracle", "vllm_expert_offload.kernels.triton_exl3",
+MODULES = ("vllm_expert_offload", "vllm_expert_offload.kernels.oracle", "vllm_expert_offload.kernels.ops", "vllm_expert_offload.kernels.triton_exl3",
            "vllm_expert_offload.kernels.exllamav3_backend", "vllm_expert_offload.memory",
-           "vllm_expert_offload.testing.random_layers", "vllm_expert_offload.cli", "vllm_expert_offload.tools.topology_cmd",
+           "vllm_expert_offload.tools.random_layers", "vllm_expert_offload.cli", "vllm_expert_offload.tools.topology_cmd",
            "support.moe_layers")
 FILES = ("benchmarks/gpu_bandwidth_probe.py", "benchmarks/bench_gpu_kernels.py", "tests/kernels/test_triton_gpu.py",
          "tests/kernels/test_exllamav3_gpu.py", "tests/kernels/test_compiled_gpu.py", "tests/memory/test_arena.py",
@@ -48,9 +49,8 @@ for path in {FILES!r}:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-from vllm_expert_offload.kernels import exllamav3_backend
-assert exllamav3_backend.capture_sizes() == ()  # called at load by every exllamav3 linear
-assert exllamav3_backend._profiling() is False  # called in every exllamav3 forward
+from vllm_expert_offload.offload.phase import profiling
+assert profiling() is False  # read in every exllamav3 forward
 assert "vllm" not in sys.modules
 print("imported")
 """)

@@ -9,7 +9,7 @@ The tables are the same int64 address tables every backend reads (VRAM and the h
 exllamav3 dereferences them on the device (exl3-format.md §4).
 
 Every call goes through `call_ext`, which passes keyword arguments in the order of `SIGNATURES`, the argument lists
-of exllamav3 1.6.5's C++ headers; tests/test_exllamav3_signatures.py checks that table against the headers, so a
+of exllamav3 1.6.5's C++ headers; tests/kernels/test_exllamav3_signatures.py checks that table against the headers, so a
 signature change between releases fails a test, not a server.
 
 All EXL3 kernels of a device share exllamav3's device-wide barrier (`locks`, exl3_devctx.cu), and concurrent use
@@ -37,11 +37,13 @@ from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
+from ..offload.phase import profiling
+from ..offload.tiers import PlacedExpert
+from .contract import Backend, ExpertCrop
 from .linear import LinearShard
 from .matrix_table import MatrixTable
-from .pointer_tables import PARTS, PlacedExpert, PointerTables
+from .pointer_tables import PARTS, PointerTables
 from .rotated import RotatedLinear
-from .table_moe import ExpertCrop
 
 VERSION = "1.6.5"  # the exllamav3 release SIGNATURES was read from
 TENSOR, OPTIONAL_TENSOR, INT, FLOAT, BOOL = "tensor", "optional tensor", "int", "float", "bool"
@@ -203,22 +205,6 @@ def one_stream(device: torch.device) -> Iterator[None]:
     caller.wait_stream(stream)
 
 
-def capture_sizes() -> tuple[int, ...]:
-    """The batch sizes vLLM will capture CUDA graphs for (none outside a vLLM config, e.g. in tests)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # the kernels used outside vLLM (benchmarks): nothing will be captured
-        return ()
-    config = get_current_vllm_config_or_none()
-    return () if config is None else tuple(sorted(set(config.compilation_config.cudagraph_capture_sizes or ())))
-
-
-def _profiling() -> bool:
-    from ..integration.startup.profiling import profiling
-
-    return profiling()
-
-
 @dataclass
 class _CoopScratch:
     """exl3_moe_coop's buffers for one top-k, fixed in size so the counter layout never moves between calls
@@ -305,7 +291,7 @@ class Exllamav3MoE:
         else:
             out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
                              for s in range(0, tokens, MOE_ROWS)])
-        if _profiling() and not self.warm:
+        if profiling() and not self.warm:
             self.warm_up(top_k)
         return out[:, : self.hidden].to(x.dtype)
 
@@ -379,14 +365,15 @@ class Exllamav3Linear(RotatedLinear):
     """Dense EXL3 linears through `exl3_gemm`: the shared shard handling and custom op of RotatedLinear, with the
     product (rotations included) done by exllamav3."""
 
-    def __init__(self, shards: Sequence[LinearShard], device: torch.device, ext: ModuleType | None = None) -> None:
+    def __init__(self, shards: Sequence[LinearShard], device: torch.device, capture_rows: Sequence[int] = (),
+                 ext: ModuleType | None = None) -> None:
         refusal = linear_refusal(shards)
         if refusal is not None:
             raise ValueError(f"the exllamav3 backend cannot compute this linear: {refusal}")
         super().__init__(shards, device, backend=None)  # shard_product below replaces the launcher
         self.ext = ext if ext is not None else load_ext()
         self.device = device
-        self.capture_rows = capture_sizes()  # read at load, where vLLM's config is current
+        self.capture_rows = tuple(capture_rows)  # the batch sizes vLLM will capture CUDA graphs for
         self.warm = False
 
     def shard_product(self, cover: torch.Tensor, shard: LinearShard, table: MatrixTable) -> torch.Tensor:
@@ -399,14 +386,24 @@ class Exllamav3Linear(RotatedLinear):
                      mul1=layer.codebook == Codebook.MUL1, force_num_sms=0)
         return out
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        if _profiling() and not self.warm:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if profiling() and not self.warm:
             self.warm_up(self.capture_rows)
-        return super().compute(x)
+        return super().forward(x)
 
     def warm_up(self, row_counts: Sequence[int]) -> None:
         """Autotune exl3_gemm for every row count vLLM will capture (it tunes per shape, with stream
         synchronisation that graph capture forbids). Called during vLLM's profile run."""
         self.warm = True
         for rows in row_counts:
-            super().compute(torch.zeros(rows, self.shards[0].in_size, dtype=torch.float16, device=self.device))
+            super().forward(torch.zeros(rows, self.shards[0].in_size, dtype=torch.float16, device=self.device))
+
+
+BACKEND = Backend(
+    name="exllamav3", description="exllamav3's CUDA kernels", auto_on=("cuda",), graph_safe=True,
+    unavailable=exllamav3_unavailable,
+    build_moe=lambda layer: Exllamav3MoE(layer.experts, layer.tables, layer.arena, layer.crop, layer.device),
+    moe_refusal=lambda layer: moe_refusal(layer.experts, layer.crop, layer.swiglu_limit),
+    build_linear=lambda layer: Exllamav3Linear(layer.shards, layer.device, layer.capture_rows),
+    linear_refusal=lambda layer: linear_refusal(layer.shards),
+)
