@@ -41,7 +41,7 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> tuple[subproce
 
 def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_without_vllm(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    result, _ = _run(["--dry-run", str(out)], _env(tmp_path), timeout=900)
+    result, _ = _run(["--dry-run", str(out)], _env(tmp_path), timeout=2000)
     assert result.returncode == 0, result.stdout[-4000:]
     steps = _rows(out / "gpu-check.jsonl")
     assert [next(name for name in STEPS if r["step"].startswith(name)) for r in steps] == STEPS
