@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -109,3 +111,18 @@ def test_a_build_here_passed_its_own_checks() -> None:
     facts = json.loads(manifest.read_text())
     assert facts["problems"] == [] and facts["bytes"] < build.LIMIT_BYTES and "90" in facts["sass_arches"]
     assert set(facts["needed"]) <= build.ALLOWED_NEEDED and facts["functions"] == sorted(SIGNATURES)
+
+
+def test_a_build_that_cannot_load_here_is_an_import_error_the_backend_reports() -> None:
+    """Under this machine's CPU torch (no libc10_cuda, another torch) the library cannot load: the package says so as
+    an ImportError, which the backend turns into its reason for being unavailable, instead of crashing the import."""
+    package = REPO / ".gpucheck"
+    if not (package / "exllamav3_ext" / "_C.so").exists():
+        pytest.skip("no trimmed extension built in this checkout (scripts/build-exllamav3-ext.sh)")
+    code = ("import torch\nfrom vllm_expert_offload.kernels.exllamav3_backend import exllamav3_unavailable\n"
+            "print(exllamav3_unavailable(torch.device('cuda', 0)))")
+    env = {**os.environ, "PYTHONPATH": f"{package}:{REPO}"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "the trimmed exllamav3_ext at" in result.stdout and f"does not load under torch {torch.__version__}" in (
+        result.stdout)
