@@ -6,7 +6,7 @@
 #
 # Without STATS the plan spreads the GPU budget evenly over the layers; collect statistics with
 # record_stats (on by default below) and run the script again. Every command here is checked against the
-# tools' argument parsers by tests/test_examples.py.
+# tools' argument parsers by tests/tools/test_examples.py.
 set -euo pipefail
 
 MODEL=${MODEL:?set MODEL to the EXL3 checkpoint directory}

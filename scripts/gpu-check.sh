@@ -31,8 +31,8 @@ step machine nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie
 step versions python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 step topology python3 -m vllm_expert_offload.cli topology
 step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay" \
-    python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_arena.py tests/test_pointer_tables.py \
-    tests/test_triton_gpu.py tests/test_exllamav3_gpu.py
+    python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/memory/test_arena.py tests/kernels/test_pointer_tables.py \
+    tests/kernels/test_triton_gpu.py tests/kernels/test_exllamav3_gpu.py
 # The exllamav3 backend needs exllamav3's prebuilt extension (building it takes nvcc and minutes, so it is never
 # built here); without it its tests skip and its benchmark column is absent, and the last line says so.
 exllamav3_note=$(python3 -c "

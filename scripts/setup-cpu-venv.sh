@@ -33,7 +33,7 @@ if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
     echo "[setup] installing a C++ compiler for the CPU kernel"
     apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
-# The C++ headers of exllamav3's extension, for tests/test_exllamav3_signatures.py (our calls against its argument
+# The C++ headers of exllamav3's extension, for tests/kernels/test_exllamav3_signatures.py (our calls against its argument
 # lists). Only the headers are unpacked, into the ignored .cache/; nothing of exllamav3 is installed or committed.
 EXL3_VERSION=1.6.5
 EXL3_HEADERS=".cache/exllamav3-$EXL3_VERSION"

@@ -4,8 +4,8 @@ The forward direction makes test fixtures and small real conversions without exl
 direction decodes every EXL3 linear into a plain HF checkpoint: HF transformers and stock vLLM run that twin,
 so it is the reference for the plugin's output and the baseline for its benchmarks. It is decoded with this
 package's own `dequantize`, so on its own it is not independent of the decoder the plugin serves with: the test
-suite checks every twin linear against the exact-arithmetic decoder in tests/exl3_reference.py
-(tests/reference_twin.py) before using it as a reference.
+suite checks every twin linear against the exact-arithmetic decoder in tests/support/exl3_reference.py
+(tests/support/reference_twin.py) before using it as a reference.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The tables are the same int64 address tables every backend reads (VRAM and the h
 exllamav3 dereferences them on the device (exl3-format.md §4).
 
 Every call goes through `call_ext`, which passes keyword arguments in the order of `SIGNATURES`, the argument lists
-of exllamav3 1.6.5's C++ headers; tests/test_exllamav3_signatures.py checks that table against the headers, so a
+of exllamav3 1.6.5's C++ headers; tests/kernels/test_exllamav3_signatures.py checks that table against the headers, so a
 signature change between releases fails a test, not a server.
 
 All EXL3 kernels of a device share exllamav3's device-wide barrier (`locks`, exl3_devctx.cu), and concurrent use

