@@ -25,7 +25,7 @@ import torch
 from vllm_expert_offload.kernels.linear import LinearShard
 from vllm_expert_offload.kernels.oracle import (KernelChoice, build_linear_kernel, exllamav3_unavailable,
                                                 triton_unavailable)
-from vllm_expert_offload.testing.random_layers import median_seconds, random_linear, random_moe
+from vllm_expert_offload.kernels.random_layers import median_seconds, random_linear, random_moe
 
 FULL = {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "k": 3, "tokens": (1, 8, 64),
         "host_shares": (0.0, 0.25, 0.5, 1.0), "dense": 4096, "dense_k": 4, "repeats": 3}

@@ -25,9 +25,9 @@ from vllm_expert_offload.kernels.pointer_tables import (
     place_expert,
     stack_scales,
 )
+from vllm_expert_offload.kernels.random_layers import random_linear
 from vllm_expert_offload.kernels.table_moe import ExpertCrop
 from vllm_expert_offload.memory import HostArena
-from vllm_expert_offload.testing.random_layers import random_linear
 
 from support.exllamav3_headers import header_signature
 from support.layers import make_layer

@@ -9,7 +9,7 @@ import torch
 
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel, exllamav3_unavailable
-from vllm_expert_offload.testing.random_layers import random_linear, random_moe
+from vllm_expert_offload.kernels.random_layers import random_linear, random_moe
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)

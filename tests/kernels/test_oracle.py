@@ -20,8 +20,8 @@ from vllm_expert_offload.kernels.pointer_tables import (
     place_expert,
     stack_scales,
 )
+from vllm_expert_offload.kernels.random_layers import random_linear
 from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
-from vllm_expert_offload.testing.random_layers import random_linear
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU to exist
 

@@ -9,8 +9,8 @@
 The decision is made once per process for each layer kind and logged in one line with its reasons.
 
 Backends and what they compute:
-- cpu: `RotatedMoE` and `RotatedLinear` over the compiled CPU kernel (csrc/exl3_cpu.cpp), every trellis read in
-  place, nothing kept decoded: the CPU production path.
+- cpu: `RotatedMoE` and `RotatedLinear` over the compiled CPU kernel (csrc/exl3_cpu.cpp in the package), every
+  trellis read in place, nothing kept decoded: the CPU production path.
 - torch: routed experts through `TableMoE` (decodes per batch: host syncs, needs --enforce-eager on a GPU);
   dense linears decoded once at load. The reference, and the fallback where the CPU kernel cannot be built.
 - triton: `RotatedMoE` and `RotatedLinear` over the Triton kernel (CUDA, or the interpreter on a CPU with

@@ -12,10 +12,10 @@ import torch
 
 from ..exl3 import Codebook, Exl3Linear
 from ..exl3.naming import PROJECTIONS
-from ..kernels.oracle import KernelChoice, build_moe_kernel
-from ..kernels.pointer_tables import build_pointer_tables, host_record_bytes, kernel_address, place_expert, stack_scales
-from ..kernels.table_moe import ExpertCrop
 from ..memory import HostArena
+from .oracle import KernelChoice, build_moe_kernel
+from .pointer_tables import build_pointer_tables, host_record_bytes, kernel_address, place_expert, stack_scales
+from .table_moe import ExpertCrop
 
 
 def random_linear(gen: torch.Generator, in_features: int, out_features: int, k: float) -> Exl3Linear:
