@@ -34,6 +34,8 @@ from types import ModuleType
 
 import torch
 
+from ..errors import ExpertOffloadError
+
 logger = logging.getLogger("vllm.expert_offload")
 
 LOCK_FILE = "build.lock"
@@ -41,7 +43,7 @@ COMPLETE_FILE = "complete"  # written once the library has loaded: its presence 
 TORCH_BATON = "lock"  # torch's own build lock (a plain file), left behind forever when a build is killed
 
 
-class CpuKernelUnavailable(RuntimeError):
+class CpuKernelUnavailable(ExpertOffloadError, RuntimeError):
     """The compiled CPU extension cannot be built or loaded here; the message says what is missing."""
 
 
