@@ -42,9 +42,9 @@ from vllm_expert_offload.kernels.expert_blocks import single_matrix_blocks  # no
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses  # noqa: E402
 
 report["kernel_sources"] = [str(path) for path in cpu_exl3.EXTENSION.sources]
-report["build_directory"] = str(cpu_extension.build_directory(cpu_exl3.EXTENSION))
 report["cpu_kernel_unavailable"] = cpu_exl3.cpu_kernel_unavailable()
 if report["cpu_kernel_unavailable"] is None:
+    report["build_directory"] = str(cpu_extension.build_directory(cpu_exl3.EXTENSION))
     # Identity rows through the kernel give W_hat itself, which the torch decoder computes bit-exactly.
     gen = torch.Generator().manual_seed(0)
     size_k, size_n, k = 128, 64, 3
