@@ -165,7 +165,7 @@ def test_kernel_is_attempted_once_per_process_and_its_absence_warned(
         raise CpuKernelUnavailable("cannot build exl3_cpu.cpp: missing ninja (not on PATH; `pip install ninja`)")
 
     monkeypatch.setattr(cpu_exl3, "load_extension", unavailable)
-    cpu_exl3._loaded.cache_clear()
+    cpu_exl3._load_once.cache_clear()
     # Attached to the logger itself: once vLLM is imported its "vllm" logger stops propagating to caplog's root.
     monkeypatch.setattr(cpu_exl3.logger, "propagate", False)
     cpu_exl3.logger.addHandler(caplog.handler)
@@ -177,7 +177,7 @@ def test_kernel_is_attempted_once_per_process_and_its_absence_warned(
             cpu_exl3.extension()
     finally:
         cpu_exl3.logger.removeHandler(caplog.handler)
-        cpu_exl3._loaded.cache_clear()  # the real extension loads again for later tests
+        cpu_exl3._load_once.cache_clear()  # the real extension loads again for later tests
     assert attempts == [cpu_exl3.EXTENSION]
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warnings == ["the compiled EXL3 CPU kernels are unavailable: cannot build exl3_cpu.cpp: missing ninja "

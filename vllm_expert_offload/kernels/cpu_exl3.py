@@ -18,9 +18,10 @@ from types import ModuleType
 import torch
 
 from ..exl3.codebook import codebook_table
+from .contract import Backend
 from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
 from .matrix_table import CODEBOOK_IDS, MatrixTable
-from .rotated import MatmulBackend
+from .rotated import MatmulBackend, rotated_linear, rotated_moe
 
 logger = logging.getLogger("vllm.expert_offload")
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -32,7 +33,7 @@ BLOCK_M = 32  # rows that share one decode of each tile
 
 
 @functools.cache
-def _loaded() -> ModuleType | CpuKernelUnavailable:
+def _load_once() -> ModuleType | CpuKernelUnavailable:
     """The module, or why not: one attempt per process (a failed build is not retried on every call)."""
     try:
         return load_extension(EXTENSION)
@@ -43,7 +44,7 @@ def _loaded() -> ModuleType | CpuKernelUnavailable:
 
 def extension() -> ModuleType:
     """The loaded extension module (built on the first call), or CpuKernelUnavailable saying why not."""
-    loaded = _loaded()
+    loaded = _load_once()
     if isinstance(loaded, CpuKernelUnavailable):
         raise CpuKernelUnavailable(str(loaded))
     return loaded
@@ -80,3 +81,25 @@ def launch_cpu_matmul(
 
 CPU_MATMUL = MatmulBackend("cpu", launch_cpu_matmul, block_m=BLOCK_M, per_slot_max_tokens=0,
                            dot_dtype=lambda dtype: torch.float32)
+
+
+def cpu_unavailable(device: torch.device) -> str | None:
+    """None when the compiled CPU kernel can run on `device`, else why not (building it on first use)."""
+    if device.type != "cpu":
+        return f"the CPU kernel computes on CPU tensors, and this layer lives on {device}"
+    return cpu_kernel_unavailable()
+
+
+def _loaded() -> MatmulBackend:
+    """The launcher with the extension built and its codebook tables made now, at load: a forward then finds
+    both in memory (nothing is built or read from disk inside a forward)."""
+    extension()
+    _codebook_values()
+    return CPU_MATMUL
+
+
+BACKEND = Backend(
+    name="cpu", description="the compiled CPU kernel", auto_on=("cpu",), graph_safe=True, unavailable=cpu_unavailable,
+    build_moe=lambda layer: rotated_moe(layer, _loaded()),
+    build_linear=lambda layer: rotated_linear(layer, _loaded()),
+)

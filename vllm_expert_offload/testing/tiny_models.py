@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..exl3.codebook import Codebook
 from ..exl3.checkpoint import split_name
+from ..exl3.codebook import Codebook
 from ..exl3.convert import BLOCK_FP8_SCALE, HEAD, LINEAR_LEAVES, convert_checkpoint, write_dense_twin
 
 CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"

@@ -17,7 +17,8 @@ from ...exl3.contract import KEY, MixedContract
 from ...exl3.errors import Exl3FormatError
 from ...exl3.validate import CheckpointSummary
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
-from ..offload.options import parse_offload_options
+from ...offload.options import OffloadOptions, parse_offload_options
+from ...offload.process import ProcessPlacement
 from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 
 QUANT_NAME = "exl3"
@@ -66,7 +67,11 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
+        # Per process, made at the first EXL3 layer built (where vLLM's config is current): the expert_offload
+        # options parsed once and handed down, the backends, and the placement (plan + arena + routing counts).
+        self.options: OffloadOptions | None = None
         self.kernels: KernelChoice | None = None
+        self.placement: ProcessPlacement | None = None
         self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
         self._checkpoint_names: dict[str, str] | None = None
 
@@ -154,10 +159,16 @@ class Exl3Config(QuantizationConfig):
         if self.kernels is None:
             vllm_config = get_current_vllm_config()
             refuse_unservable(vllm_config)
-            options = parse_offload_options(vllm_config.additional_config)
-            self.kernels = choose_kernels(options.kernel, device, options.dequantize_linears)
+            self.options = parse_offload_options(vllm_config.additional_config)
+            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
             log_choice(self.kernels)
         return self.kernels
+
+    @staticmethod
+    def capture_sizes() -> tuple[int, ...]:
+        """The batch sizes vLLM will capture CUDA graphs for (kernels that tune per shape warm up on them)."""
+        sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes
+        return tuple(sorted(set(sizes or ())))
 
     def shard_prefixes(self, prefix: str) -> list[str]:
         """Checkpoint names of a vLLM module's shards: qkv_proj -> q_proj, k_proj, v_proj (EXL3 stores each

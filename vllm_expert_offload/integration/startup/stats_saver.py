@@ -33,7 +33,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from ..offload.options import OffloadOptions
+from ...offload.options import OffloadOptions
 from .worker_rpc import SAVE_STATS
 
 logger = logging.getLogger("vllm.expert_offload.stats")
