@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ExpertOffloadError
 from ..exl3.codebook import codebook_table
+from ..exl3.encode import register_compiled_viterbi
 from .contract import Backend
 from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
@@ -107,3 +108,6 @@ BACKEND = Backend(
     build_moe=lambda layer: rotated_moe(layer, _loaded()),
     build_linear=lambda layer: rotated_linear(layer, _loaded()),
 )
+
+
+register_compiled_viterbi("the compiled CPU kernels", lambda: extension().exl3_viterbi_cpu)
