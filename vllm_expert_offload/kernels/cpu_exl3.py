@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 
 from ..exl3.codebook import codebook_table
+from ..exl3.encode import register_compiled_viterbi
 from .contract import Backend
 from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
 from .matrix_table import CODEBOOK_IDS, MatrixTable
@@ -103,3 +104,6 @@ BACKEND = Backend(
     build_moe=lambda layer: rotated_moe(layer, _loaded()),
     build_linear=lambda layer: rotated_linear(layer, _loaded()),
 )
+
+
+register_compiled_viterbi("the compiled CPU kernels", lambda: extension().exl3_viterbi_cpu)
