@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,16 +15,37 @@ from vllm.model_executor.layers.quantization import get_quantization_config, reg
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+from ...exl3.checkpoint import Exl3Checkpoint
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
 from ...exl3.contract import KEY, MixedContract
 from ...exl3.errors import Exl3FormatError
-from ...exl3.validate import CheckpointSummary
+from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ...offload.options import OffloadOptions, parse_offload_options
 from ...offload.process import ProcessPlacement
-from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 
 QUANT_NAME = "exl3"
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local directory, or a Hugging Face repo id already in the local cache (no download here)."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several unrelated types for "not cached"
+        raise Exl3FormatError(
+            f"--model {model}: not a local directory and not in the Hugging Face cache ({exc}); "
+            f"download it first so its EXL3 tensors can be validated before serving"
+        ) from exc
+
+
+@lru_cache(maxsize=4)
+def scan_checkpoint(model_dir: str) -> CheckpointSummary:
+    """Validated once per process and directory: config parsing runs several times during startup."""
+    return validate_checkpoint(Exl3Checkpoint.open(model_dir))
 
 
 def build_delegate(contract: MixedContract | None) -> QuantizationConfig | None:
