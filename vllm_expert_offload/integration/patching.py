@@ -12,12 +12,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import ExpertOffloadError
 from .versions import vllm_series
 
 SENTINEL = "__vllm_expert_offload_hook__"
 
 
-class HookError(RuntimeError):
+class HookError(ExpertOffloadError, RuntimeError):
     """A hook's target is not what it was checked against: unknown vLLM version, missing or changed function."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ExpertOffloadError
 from ..exl3.codebook import codebook_table
 from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend
@@ -27,7 +28,7 @@ SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi
 BLOCK_M = 32  # rows that share one decode of each tile
 
 
-class CpuKernelUnavailable(RuntimeError):
+class CpuKernelUnavailable(ExpertOffloadError, RuntimeError):
     pass
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ExpertOffloadError
 from .exllamav3_backend import Exllamav3Linear, Exllamav3MoE, exllamav3_unavailable, moe_refusal
 from .linear import DequantizedLinear, LinearShard
 from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
@@ -41,7 +42,7 @@ BACKENDS = ("auto", "cpu", "exllamav3", "triton", "torch")
 logger = logging.getLogger("vllm.expert_offload")
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(ExpertOffloadError, RuntimeError):
     pass
 
 

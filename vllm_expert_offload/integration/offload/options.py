@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...errors import ExpertOffloadError
 from ...kernels.oracle import BACKENDS
 
 OPTION_KEY = "expert_offload"
@@ -23,7 +24,7 @@ DEFAULT_MIN_FREE_FRACTION = 0.03
 DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
 
 
-class OffloadOptionError(ValueError):
+class OffloadOptionError(ExpertOffloadError, ValueError):
     pass
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 import sys
 
+from ...errors import ExpertOffloadError
 from ..patching import SENTINEL, require_checked_version
 
 CHECKED_ON = ("0.32", "0.33")
 GIB = 1 << 30
 
 
-class CrashLineError(RuntimeError):
+class CrashLineError(ExpertOffloadError, RuntimeError):
     pass
 
 
