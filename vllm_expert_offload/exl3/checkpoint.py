@@ -17,8 +17,12 @@ from .config import Exl3QuantConfig, parse_quant_config
 from .errors import Exl3FormatError
 from .tensors import Exl3Linear, parse_linear
 
-
 MAX_HEADER_BYTES = 100 * 10**6  # safetensors' own limit on the header's size
+# safetensors header dtype -> bytes per element
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
 
 
 def split_name(name: str) -> tuple[str, str]:
