@@ -9,6 +9,7 @@ layer without the tensors its delegate loads, or a layer stored in a format its 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint import split_name
@@ -17,7 +18,7 @@ from .convert import HEADS, LINEAR_LEAVES
 from .deepseek_v4 import ARCHITECTURE as V4_ARCHITECTURE
 from .deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE, V41_WHY, v41_part
 from .delegate_rules import E8M0, FP8_E4M3, MXFP4_BLOCK, PACKED_FP4, DelegateRules, delegate_rules
-from .engram import EngramFormat, engram_tables
+from .engram import EngramFormat, EngramTable, engram_tables
 from .errors import Exl3FormatError
 from .naming import MoeLayout
 from .tensors import Exl3Linear
@@ -99,6 +100,7 @@ class _Checker:
         self.native_scale = layout.architecture in NATIVE_SCALE_ARCHITECTURES
         self.scale_suffixes = SCALE_SUFFIXES + ((NATIVE_SCALE,) if self.native_scale else ())
         self.claimed: set[str] = set()
+        self.engram: dict[int, EngramTable] = {}
 
     @property
     def delegate(self) -> DelegateRules:
@@ -221,6 +223,7 @@ class _Checker:
         roles = {}
         for root, table in engram_tables(self.shapes, self.hf_config).items():
             self.claimed |= {f"{root}.weight", f"{root}.scale"}
+            self.engram[table.layer] = table
             roles[root] = ENGRAM_SERVED_BY[table.format]
         return roles
 
@@ -233,12 +236,18 @@ class _Checker:
                                       f"delegated linear's weight or scale, a draft expert, or an engram table)")
 
 
+@dataclass(frozen=True)
+class ContractCheck:
+    roles: dict[str, str]  # checkpoint module -> the method serving it (non-routed linears, engram tables)
+    engram: dict[int, EngramTable]  # DeepSeek-V4.1: layer -> its engram table as stored
+
+
 def check_contract(
     contract: MixedContract, layout: MoeLayout | None, shapes: Mapping[str, tuple[tuple, str]],
     linears: Mapping[str, Exl3Linear], hf_config: Mapping[str, Any],
-) -> dict[str, str]:
-    """Refuse a mixed pack whose tensors do not match its declaration; returns checkpoint module -> the method
-    that serves it, for every non-routed linear and engram table (`inspect` and `plan` show the split).
+) -> ContractCheck:
+    """Refuse a mixed pack whose tensors do not match its declaration; returns the method serving every
+    non-routed linear and engram table (`inspect` and `plan` show the split), and the engram tables.
     `contract` has its draft start resolved (MixedContract.with_draft_start)."""
     if layout is None:
         raise Exl3FormatError(f"{KEY}: a mixed pack (routed experts EXL3), but config.json's architectures have no "
@@ -268,4 +277,4 @@ def check_contract(
     checker.refuse_unclaimed(linears)
     declared = dense_exl3_shards(contract)
     roles |= {prefix: f"EXL3 K={k:g} (non_routed_exl3 {module})" for prefix, (module, k) in declared.items()}
-    return roles
+    return ContractCheck(roles, checker.engram)

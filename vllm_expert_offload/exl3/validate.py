@@ -15,6 +15,7 @@ import torch
 from .checkpoint import Exl3Checkpoint
 from .contract import MixedContract
 from .contract_check import check_contract, not_served_reason
+from .engram import EngramTable
 from .errors import Exl3FormatError
 from .naming import PROJECTIONS, MoeLayout, moe_layout
 from .tensors import MARKER_SUFFIXES, Exl3Linear, parse_linear
@@ -32,6 +33,7 @@ class CheckpointSummary:
     expert_bytes: dict[int, list[int]] = field(default_factory=dict)  # moe layer -> bytes per expert
     contract: MixedContract | None = None  # a mixed pack's declaration (draft start resolved); None: native
     non_routed: dict[str, str] = field(default_factory=dict)  # mixed pack: linear -> the method serving it
+    engram: dict[int, EngramTable] = field(default_factory=dict)  # DeepSeek-V4.1: layer -> engram table as stored
 
     @property
     def quantized_prefixes(self) -> frozenset[str]:
@@ -133,9 +135,10 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
     if layout is not None:
         _check_expert_names(layout, list(ckpt.tensor_files), contract)
     linears = _header_linears(ckpt)
-    non_routed = {} if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears,
-                                                            ckpt.hf_config)
+    checked = None if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears,
+                                                           ckpt.hf_config)
     expert_bytes = _check_experts(layout, linears, uniform_expert_k) if layout else {}
     suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
     return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes,
-                             contract=contract, non_routed=non_routed)
+                             contract=contract, non_routed={} if checked is None else checked.roles,
+                             engram={} if checked is None else checked.engram)

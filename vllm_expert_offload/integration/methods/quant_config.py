@@ -17,6 +17,7 @@ from ...exl3.errors import Exl3FormatError
 from ...exl3.validate import CheckpointSummary
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ..offload.options import parse_offload_options
+from . import engram_int4
 from .checkpoint_scan import resolve_model_dir, scan_checkpoint
 from .delegate import build_delegate
 
@@ -152,6 +153,7 @@ class Exl3Config(QuantizationConfig):
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+        engram_int4.install(self.summary.engram)
         self.delegate = build_delegate(self.summary.contract, hf_config)
         if self.delegate is not None:
             self.delegate.packed_modules_mapping = self.packed_modules_mapping
