@@ -4,7 +4,8 @@ over the TP group, replicated on every GPU, in pinned host memory, or not loaded
 Read from vLLM 0.32's DeepSeek-V4 / V4.1 models (`models/deepseek_v4*/`): the fused `wq_a`+`wkv` projection,
 compressors, indexers, routers, norms and hyper-connection mixers are replicated (`disable_tp=True`,
 `ReplicatedLinear`, plain parameters); `wq_b`, `wo_a`, `wo_b`, shared experts, the engram `wkv`, the embedding and
-the head are split; the vision tower is replicated on every rank; the engram tables are head-sharded and kept in
+the head are split; the vision tower is split like them under vLLM's default `--mm-encoder-tp-mode weights` and
+replicated under `data` (`models/vision.is_vit_use_data_parallel`); the engram tables are head-sharded and kept in
 pinned host memory unless `EngramConfig.cpu_offload` is off (`config/engram.py`, default on); the draft layers
 (`mtp.*`) are loaded only by a speculative-decoding drafter. Other architectures are counted split evenly (an
 estimate: their norms and routers are small).
@@ -31,6 +32,8 @@ DEEPSEEK = (dsv4.ARCHITECTURE, dsv4.V41_ARCHITECTURE)
 EMBEDDING = "embed.weight"
 VISION = re.compile(r"^(vision\.|aligner\.|image_)")
 DRAFT = re.compile(r"^mtp\.")
+VISION_WHOLE = ("norm.weight", "norm1.weight", "norm2.weight", "patch_embed.proj.weight", "patch_embed.proj.bias",
+                "wo.bias", "w2.bias")  # what a split vision tower still holds whole on every rank
 # Modules vLLM's DeepSeek-V4/V4.1 build whole on every rank.
 REPLICATED = re.compile(
     r"(^|\.)(norm|attn_norm|ffn_norm|kv_norm|q_norm|k_norm)\.weight$|\.hc_(attn|ffn)_|^hc_head|\.attn\.(wq_a|wkv)\."
@@ -38,10 +41,11 @@ REPLICATED = re.compile(
 )
 
 # Lines of the ledger (rows of `plan`): device lines are per GPU, host lines are the whole node's.
-SPLIT, REPLICATED_LINE, VISION_LINE, DRAFT_LINE, EXPERT_SCALES = (
-    "non-expert weights (split over TP)", "non-expert weights (replicated)", "vision tower (replicated)",
-    "draft layers (speculative decoding)", "expert scales suh/svh (all experts)",
+SPLIT, REPLICATED_LINE, DRAFT_LINE, EXPERT_SCALES = (
+    "non-expert weights (split over TP)", "non-expert weights (replicated)", "draft layers (speculative decoding)",
+    "expert scales suh/svh (all experts)",
 )
+VISION_LINES = {True: "vision tower (replicated)", False: "vision tower (split over TP)"}
 ENGRAM_LINE, EMBEDDING_LINE = "engram tables (pinned)", "embedding (host arena, UVA row gather)"
 
 
@@ -56,6 +60,7 @@ class ResidencyOptions:
     engram_on_host: bool = True  # vLLM's EngramConfig.cpu_offload (default True)
     embedding_on_host: bool = False  # the token embedding in the host arena, gathered per token over UVA
     dequantized: bool = False  # expert_offload.dequantize_linears: dense EXL3 linears held decoded
+    vision_replicated: bool = False  # --mm-encoder-tp-mode data (vLLM's default, weights, splits the tower)
 
 
 @dataclass
@@ -107,7 +112,8 @@ def residency(summary: CheckpointSummary, shapes: Mapping[str, tuple[tuple[int, 
         if deepseek and DRAFT.match(name):
             out.add(out.device if options.speculative else out.not_loaded, DRAFT_LINE, size // tp)
         elif deepseek and VISION.match(name):
-            out.add(out.device, VISION_LINE, size)
+            replicated = options.vision_replicated or name.startswith("image_") or name.endswith(VISION_WHOLE)
+            out.add(out.device, VISION_LINES[options.vision_replicated], size // (1 if replicated else tp))
         elif deepseek and ENGRAM_TABLE.match(name):
             out.add(out.host, ENGRAM_LINE, size) if options.engram_on_host else out.add(out.device, SPLIT, size // tp)
         elif name == EMBEDDING and options.embedding_on_host:

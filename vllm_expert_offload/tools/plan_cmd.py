@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "false; default: pinned host memory, as vLLM keeps them)")
     parser.add_argument("--embedding-host", action="store_true",
                         help="count the token embedding in the host arena (a per-token row gather over UVA; the plan counts it, serving does not place it yet)")
+    parser.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
+                        help="vLLM's option of the same name: the vision tower split over TP (weights, vLLM's "
+                             "default) or replicated on every rank (data)")
     parser.add_argument("--summary-json", type=Path, help="also write the ledger's totals as JSON to this file")
     parser.add_argument("--out", required=True, type=Path, help="plan file to write")
     parser.set_defaults(handler=run)
@@ -78,10 +81,12 @@ def summary_json(ledger: Ledger, weights: Residency, tp: int) -> dict[str, objec
     }
 
 
-def expert_sizes(ckpt: Exl3Checkpoint, tp: int) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
-    """The checkpoint's summary, per-rank bytes of each routed expert [moe layers, experts] and the identity a
-    plan records for them; ValueError when there is nothing to place or `tp` does not split the experts."""
-    summary = validate_checkpoint(ckpt)
+def expert_sizes(ckpt: Exl3Checkpoint, tp: int, summary: CheckpointSummary | None = None,
+                 ) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
+    """The checkpoint's summary (validated here unless given), per-rank bytes of each routed expert [moe layers,
+    experts] and the identity a plan records for them; ValueError when there is nothing to place or `tp` does not
+    split the experts."""
+    summary = validate_checkpoint(ckpt) if summary is None else summary
     if summary.layout is None:
         raise ValueError(f"{ckpt.path}: no routed experts of a supported architecture to place")
     layout = summary.layout
@@ -90,6 +95,15 @@ def expert_sizes(ckpt: Exl3Checkpoint, tp: int) -> tuple[CheckpointSummary, np.n
     geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // tp, 0, tp)
     sizes = record_bytes_matrix(summary, geometry)
     return summary, sizes, model_identity(summary, tp, sizes)
+
+
+def plan_ledger(ckpt: Exl3Checkpoint, summary: CheckpointSummary, plan: np.ndarray, sizes: np.ndarray,
+                where: ResidencyOptions, kv_cache_bytes: int = 0) -> tuple[Ledger, Residency]:
+    """The ledger of GPU mask `plan`: every stored tensor where serving keeps it (exl3/residency.py)."""
+    weights = residency(summary, ckpt.header_shapes(), ckpt.hf_config, where)
+    ledger = Ledger.from_plan(plan, sizes, non_expert_bytes=weights.device, kv_cache_bytes=kv_cache_bytes,
+                              host_bytes=weights.host, ranks=where.tp)
+    return ledger, weights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,11 +115,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
     plan, source = make_plan(options, sizes, identity)
-    weights = residency(summary, ckpt.header_shapes(), ckpt.hf_config, ResidencyOptions(
-        tp=args.tp, speculative=args.speculative, engram_on_host=not args.engram_on_gpu,
-        embedding_on_host=args.embedding_host, dequantized=args.dequantize_linears))
-    ledger = Ledger.from_plan(plan, sizes, non_expert_bytes=weights.device, kv_cache_bytes=int(args.kv_cache_gib * GIB),
-                              host_bytes=weights.host, ranks=args.tp)
+    where = ResidencyOptions(tp=args.tp, speculative=args.speculative, engram_on_host=not args.engram_on_gpu,
+                             embedding_on_host=args.embedding_host, dequantized=args.dequantize_linears,
+                             vision_replicated=args.mm_encoder_tp_mode == "data")
+    ledger, weights = plan_ledger(ckpt, summary, plan, sizes, where, int(args.kv_cache_gib * GIB))
     capacity = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
     print(f"plan for {args.model} (TP {args.tp}: device rows per GPU, host rows for the node), from {source}")
     print(_layout_line(summary, args.dequantize_linears))
