@@ -23,9 +23,12 @@ from vllm_expert_offload.tools.plan_cmd import expert_sizes, plan_ledger
 from vllm_expert_offload.units import GIB
 
 
-def _timed(fn):
-    start = time.perf_counter()
+def _timed(fn, cpu: list[float] | None = None):
+    """(result, wall seconds); appends the process CPU seconds to `cpu` (the machine may be shared)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - start_cpu)
     return result, time.perf_counter() - start
 
 
@@ -40,10 +43,10 @@ def main() -> int:
         stats, write_s = _timed(lambda: write_pack(args.pack, out))
         print(f"{args.pack}: {stats['tensors']:,} tensors, {stats['bytes'] / GIB:.1f} GiB in {stats['shards']} "
               f"shards, written in {write_s:.1f} s")
-        opens, validations = [], []
+        opens, validations, validation_cpu = [], [], []
         for _ in range(args.repeats):
             ckpt, open_s = _timed(lambda: Exl3Checkpoint.open(out))
-            summary, validate_s = _timed(lambda: validate_checkpoint(ckpt))
+            summary, validate_s = _timed(lambda: validate_checkpoint(ckpt), validation_cpu)
             opens.append(open_s)
             validations.append(validate_s)
         (_, sizes, _), sizes_s = _timed(lambda: expert_sizes(ckpt, 2, summary))
@@ -51,7 +54,7 @@ def main() -> int:
                                                            ResidencyOptions(tp=2)))
         print(f"open headers: median {statistics.median(opens):.2f} s (runs {', '.join(f'{t:.2f}' for t in opens)})")
         print(f"validate:     median {statistics.median(validations):.2f} s "
-              f"(runs {', '.join(f'{t:.2f}' for t in validations)})")
+              f"(runs {', '.join(f'{t:.2f}' for t in validations)}; CPU {statistics.median(validation_cpu):.2f} s)")
         print(f"plan at TP 2: expert record sizes {sizes_s:.2f} s, ledger {ledger_s:.2f} s; "
               f"{ledger.gpu_weight_bytes / GIB:.2f} GiB weights per GPU with every expert on the GPUs")
     return 0
