@@ -150,8 +150,8 @@ REFUSALS = {
                                      "layers.1.attn.wq_b.weight: stored as BF16, but quantization_config."
                                      "non_routed_quantization declares deepseek_v4_fp8"),
     "float32 scales for fp4 experts": ({"tensors": _scale_as("layers.1.attn.wo_b", torch.float32)},
-                                       "layers.1.attn.wo_b.scale: F32 [8, 4], but the deepseek_v4_fp8 delegate "
-                                       "(block 32x32, UE8M0 scales) loads F8_E8M0 [8, 4]"),
+                                       "layers.1.attn.wo_b.scale: F32 [8, 8], but the deepseek_v4_fp8 delegate "
+                                       "(block 32x32, UE8M0 scales) loads F8_E8M0 [8, 8]"),
     "scale block shape": ({"tensors": lambda t: t.__setitem__("layers.0.attn.wkv.scale",
                                                              t["layers.0.attn.wkv.scale"][:, :4].contiguous())},
                           "layers.0.attn.wkv.scale: F8_E8M0 [16, 4], but the deepseek_v4_fp8 delegate"),
@@ -223,3 +223,53 @@ def test_quantize_refuses_v41(v41: Path, tmp_path: Path) -> None:
     """quantize writes exllamav3 layouts; V4.1 has none, so a V4.1 source is refused before anything is read."""
     with pytest.raises(Exl3FormatError, match="DeepseekV41ForCausalLM: quantize writes exllamav3 layouts only"):
         convert_checkpoint(v41, tmp_path / "out", bits=3, encoder="random", progress=False)
+
+
+def test_residency_lines_follow_vllms_sharding(v41: Path) -> None:
+    """Per GPU: the split lines halve from TP 1 to TP 2, the replicated ones do not; the vision tower follows
+    --mm-encoder-tp-mode; the engram tables sit in the host line whole (the ranks' shares together); the draft
+    layers count only with speculative decoding."""
+    from vllm_expert_offload.exl3 import residency as r
+
+    ckpt = Exl3Checkpoint.open(v41)
+    summary = validate_checkpoint(ckpt)
+    shapes = ckpt.header_shapes()
+
+    def lines(**options):
+        return r.residency(summary, shapes, ckpt.hf_config, r.ResidencyOptions(**options))
+
+    one, two = lines(tp=1), lines(tp=2)
+    assert two.device[r.REPLICATED_LINE] == one.device[r.REPLICATED_LINE] > 0
+    assert 0.5 * one.device[r.SPLIT] - 64 <= two.device[r.SPLIT] <= 0.5 * one.device[r.SPLIT] + 64
+    replicated = sum(r.nbytes(*shapes[n]) for n in shapes
+                     if not r.DRAFT.match(n) and not r.VISION.match(n) and r.REPLICATED.search(n))
+    assert one.device[r.REPLICATED_LINE] == replicated
+    assert lines(tp=2, vision_replicated=True).device[r.VISION_LINES[True]] == one.device[r.VISION_LINES[False]]
+    assert two.device[r.VISION_LINES[False]] < one.device[r.VISION_LINES[False]]
+    assert two.host[r.ENGRAM_LINE] == one.host[r.ENGRAM_LINE] == summary.engram[1].nbytes
+    draft = sum(r.nbytes(*shapes[n]) for n in shapes if n.startswith("mtp."))
+    assert r.DRAFT_LINE not in one.device and one.not_loaded[r.DRAFT_LINE] == draft
+    assert lines(tp=1, speculative=True).device[r.DRAFT_LINE] == draft
+    assert lines(tp=1, embedding_on_host=True).host[r.EMBEDDING_LINE] == r.nbytes(*shapes["embed.weight"])
+
+
+def test_quant_config_resolves_the_draft_start(v41: Path, tmp_path: Path) -> None:
+    """With mtp_experts_start_layer omitted, the quant config uses the start inferred from config.json: main-layer
+    routed experts get the EXL3 method, draft layers (vLLM's layers.{3+i}) the delegate's method."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod
+    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+
+    pack = _edited(v41, tmp_path, quant=lambda q: q.pop("mtp_experts_start_layer"))
+    hf = json.loads((pack / "config.json").read_text())
+    config = Exl3Config.from_config(hf["quantization_config"])
+    from types import SimpleNamespace
+
+    config.maybe_update_config(str(pack), SimpleNamespace(model_type="deepseek_v41", expert_dtype="fp4"))
+    experts = object.__new__(RoutedExperts)
+    torch.nn.Module.__init__(experts)
+    experts.moe_config = SimpleNamespace(moe_parallel_config=None)
+    assert isinstance(config.get_quant_method(experts, "language_model.model.layers.2.ffn.experts"), Exl3MoEMethod)
+    config.delegate.get_quant_method = lambda layer, prefix: ("delegate", prefix)
+    assert config.get_quant_method(experts, "model.layers.3.ffn.experts") == ("delegate", "model.layers.3.ffn.experts")
