@@ -14,13 +14,12 @@ from typing import Any
 
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
-from .convert import HEADS, LINEAR_LEAVES
 from .deepseek_v4 import ARCHITECTURE as V4_ARCHITECTURE
 from .deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE, V41_WHY, v41_part
 from .delegate_rules import E8M0, FP8_E4M3, MXFP4_BLOCK, PACKED_FP4, DelegateRules, delegate_rules
 from .engram import EngramFormat, EngramTable, engram_tables
 from .errors import Exl3FormatError
-from .naming import MoeLayout
+from .naming import HEADS, LINEAR_LEAVES, MoeLayout
 from .tensors import Exl3Linear
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")

@@ -60,6 +60,8 @@ class Hook:
 
     def install(self) -> bool:
         """Wrap the target; False when its module is not loaded (`loaded_only`) or it is wrapped already."""
+        if not self.module.startswith("vllm."):
+            raise HookError(f"{self.target}: hooks patch vLLM's own modules only")
         if self.loaded_only:
             module = sys.modules.get(self.module)
             if module is None:

@@ -15,9 +15,10 @@ import numpy as np
 from ..exl3.checkpoint import Exl3Checkpoint
 from ..exl3.residency import Residency, ResidencyOptions, residency
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
-from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
-from ..integration.offload.options import OffloadOptions
+from ..offload.options import OffloadOptions
+from ..offload.rank_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from ..placement import Ledger, ModelIdentity, save_plan
+from ..units import GIB
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
