@@ -24,7 +24,7 @@ import torch
 from ..exl3.codebook import Codebook
 from ..exl3.convert import encode_random
 from ..exl3.engram import SCALE_BLOCK, EngramFormat
-from .dsv41_pack import FP8_BLOCK, TensorSpec, pack_config, pack_tensors, published_contract
+from .dsv41_pack import FP8_BLOCK, V41_FLASH_TEXT, TensorSpec, pack_config, pack_tensors, published_contract
 from .tiny_models import cached_fixture
 
 FP8_MAX = 448.0
@@ -52,24 +52,18 @@ def engram_rows(layers: list[int], vocab: int, ngram: int, heads: int) -> list[i
     return rows
 
 
-TEXT: dict[str, Any] = {
-    "model_type": "deepseek_v41_text", "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 256,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 512,
-    "qk_rope_head_dim": 64, "q_lora_rank": 128, "o_lora_rank": 128, "o_groups": 2, "hidden_act": "silu",
-    "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 4096,
-    "rope_theta": 10000, "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                                          "original_max_position_embeddings": 256},
-    "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 128,
-    "compress_ratios": [0, 2, 1, 0], "compress_rope_theta": 160000, "kv_source_layer_ids": [1, 2],
-    "index_source_layer_ids": [1, 2], "index_n_heads": 2, "index_head_dim": 128, "index_topk": 512,
-    "candidate_source_layer_id": 2, "candidate_topk_blocks": 64, "candidate_block_size": 8, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": [1], "engram_max_ngram_size": 3,
-    "engram_vocab_size": 40, "engram_n_heads": 2, "engram_head_dim": 64, "engram_pad_token_id": 2,
+# The released text_config with its sizes shrunk: the same keys, so the same tensor names (dsv41_pack).
+TEXT: dict[str, Any] = V41_FLASH_TEXT | {
+    "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 256, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "q_lora_rank": 128, "o_lora_rank": 128, "o_groups": 2, "max_position_embeddings": 4096,
+    "n_routed_experts": 16, "num_experts_per_tok": 2, "compress_ratios": [0, 2, 1, 0], "kv_source_layer_ids": [1, 2],
+    "index_source_layer_ids": [1, 2], "index_n_heads": 2, "candidate_source_layer_id": 2,
+    "candidate_topk_blocks": 64, "engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_vocab_size": 40,
+    "engram_n_heads": 2, "engram_head_dim": 64,
     # What vLLM's compressed token map makes of write_tokenizer's vocabulary (NgramHashState checks it).
-    "engram_compressed_vocab_size": 632, "num_nextn_predict_layers": 1, "dspark_block_size": 5,
-    "dspark_noise_token_id": 1000, "dspark_target_layer_ids": [1, 2], "dspark_markov_rank": 32,
-    "dspark_n_routed_experts": 8, "dspark_num_experts_per_tok": 2,
+    "engram_compressed_vocab_size": 632, "num_nextn_predict_layers": 1, "dspark_noise_token_id": 1000,
+    "dspark_target_layer_ids": [1, 2], "dspark_markov_rank": 32, "dspark_n_routed_experts": 8,
+    "dspark_num_experts_per_tok": 2,
 }
 TEXT["engram_num_embeddings"] = engram_rows(TEXT["engram_layer_ids"], TEXT["engram_vocab_size"],
                                             TEXT["engram_max_ngram_size"], TEXT["engram_n_heads"])
