@@ -182,7 +182,7 @@ def test_switch(kv_blocks, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_expert_offload.integration.patching import Hook, HookError
 
-    module = types.ModuleType("fake_vllm_module")
+    module = types.ModuleType("vllm.fake_module_for_hook_test")
     module.target = lambda backend, spec: spec
     monkeypatch.setitem(sys.modules, module.__name__, module)
     with pytest.raises(HookError, match=r"takes \('backend', 'spec'\); the hook was written for \('spec',\)"):
