@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_expert_offload.integration.kv.rules import (
+from vllm_expert_offload.kv.rules import (
     BackendSizes,
     GroupFacts,
     KVBlockLayoutError,

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import AttentionGroup
 
-from .rules import BackendSizes, GroupFacts, KVBlockLayoutError, Member
+from ...kv.rules import BackendSizes, GroupFacts, KVBlockLayoutError, Member
 
 # The `model_version` DeepSeek-V4 and V4.1 put on their attention specs (main MLA and sliding-window caches),
 # checked on vLLM 0.32 and 0.33 (`models/deepseek_v4/attention.py`, `models/deepseek_v41/attention.py`,

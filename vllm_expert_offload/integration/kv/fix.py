@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from .rules import GroupFacts, check_block_sizes, resolve_block_sizes
+from ...kv.rules import GroupFacts, check_block_sizes, resolve_block_sizes
 from ..patching import Hook, HookError
 
 if TYPE_CHECKING:
