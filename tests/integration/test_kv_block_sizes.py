@@ -137,46 +137,46 @@ def test_planned_size_refused_with_the_sizes_that_would_work() -> None:
 
 
 @pytest.fixture(scope="module")
-def kv_blocks():
+def kv_fix():
     """The fix, installed in this process (as `register()` does in every vLLM process)."""
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401  (Model Runner V2: its bindings must be rebound)
     import vllm.v1.worker.gpu_model_runner  # noqa: F401  (Model Runner V1)
 
-    from vllm_expert_offload.integration.kv import fix as kv_blocks
+    from vllm_expert_offload.integration.kv import fix as kv_fix
 
-    kv_blocks.install()
-    return kv_blocks
-
-
-def _bound(kv_blocks) -> dict[str, object]:
-    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_blocks._hooks()}
+    kv_fix.install()
+    return kv_fix
 
 
-def test_install_covers_both_runners_and_is_idempotent(kv_blocks) -> None:
+def _bound(kv_fix) -> dict[str, object]:
+    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_fix._hooks()}
+
+
+def test_install_covers_both_runners_and_is_idempotent(kv_fix) -> None:
     from vllm_expert_offload.integration.patching import SENTINEL
 
-    before = _bound(kv_blocks)
+    before = _bound(kv_fix)
     assert len(before) == 6 and all(getattr(fn, SENTINEL, False) for fn in before.values())
-    assert kv_blocks.install() == []
-    assert _bound(kv_blocks) == before
+    assert kv_fix.install() == []
+    assert _bound(kv_fix) == before
 
 
-def test_unknown_vllm_version_refused(kv_blocks) -> None:
+def test_unknown_vllm_version_refused(kv_fix) -> None:
     from vllm_expert_offload.integration.patching import HookError
 
-    before = _bound(kv_blocks)
+    before = _bound(kv_fix)
     with pytest.raises(HookError, match=r"checked on vLLM 0\.32, 0\.33 only; this is vLLM 0\.34\.0.*"
                                         r"VLLM_EXPERT_OFFLOAD_KV_FIX=0"):
-        kv_blocks.install("0.34.0")
-    assert _bound(kv_blocks) == before
+        kv_fix.install("0.34.0")
+    assert _bound(kv_fix) == before
 
 
-def test_switch(kv_blocks, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "0")
-    assert kv_blocks.install() == []
-    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "off")
+def test_switch(kv_fix, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kv_fix.ENV_SWITCH, "0")
+    assert kv_fix.install() == []
+    monkeypatch.setenv(kv_fix.ENV_SWITCH, "off")
     with pytest.raises(ValueError, match="use 1 .* or 0"):
-        kv_blocks.install()
+        kv_fix.install()
 
 
 def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,7 +192,7 @@ def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> No
     assert module.target(None, 0) == (0, 1)
 
 
-def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> None:
+def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_fix) -> None:
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
@@ -233,7 +233,7 @@ def test_resized_recomputes_padding_for_the_new_block() -> None:
 
 
 @pytest.mark.parametrize(("arch", "expected"), [("sm100", 128), ("sm120", 128), ("sm90", 64)])
-def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, expected: int) -> None:
+def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_fix, arch: str, expected: int) -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
     from vllm.v1.worker import utils
@@ -270,23 +270,23 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_kernel_hook_refuses_and_logs_one_line(kv_blocks) -> None:
+def test_kernel_hook_refuses_and_logs_one_line(kv_fix) -> None:
     from vllm.v1.worker import gpu_model_runner, utils
     from vllm.v1.worker.gpu import attn_utils
 
     refusal = r"g0 \(2 layers from l0\): block size 16 is not usable \(CPU_ATTN takes \[MultipleOf\(32\)\]\); sizes"
     with pytest.raises(KVBlockLayoutError, match=refusal + " that would work: 32,"):
         attn_utils.prepare_kernel_block_sizes(*_planned(16))  # Model Runner V2's binding
-    lines, level = _Lines(), kv_blocks.logger.level
-    kv_blocks.logger.addHandler(lines)
-    kv_blocks.logger.setLevel(logging.INFO)
+    lines, level = _Lines(), kv_fix.logger.level
+    kv_fix.logger.addHandler(lines)
+    kv_fix.logger.setLevel(logging.INFO)
     try:
         for _ in range(2):  # the profiling KV cache and the real one: logged once
             assert gpu_model_runner.prepare_kernel_block_sizes(*_planned(96)) == [96]  # V1's binding
         assert utils.prepare_kernel_block_sizes(*_planned(96)) == [96]
     finally:
-        kv_blocks.logger.removeHandler(lines)
-        kv_blocks.logger.setLevel(level)
+        kv_fix.logger.removeHandler(lines)
+        kv_fix.logger.setLevel(level)
     assert lines.lines == ["vllm-expert-offload KV block sizes per group: g0=96 [CPU_ATTN]"]
 
 
@@ -319,7 +319,7 @@ V41_GROUP = {
 
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize(("arch", "backend"), list(V41_GROUP))
-def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
+def test_check_kv_plans_dsv41_on_each_gpu(kv_fix, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
                                           block_size: int) -> None:
     """The carried V4.1 config through spec construction, planning, the engine's block sizes, the worker's
     kernel blocks and its kernel-block views, with the fix: the compressed group gets its GPU's block, the
@@ -333,26 +333,26 @@ def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixtu
     assert out.count("block 32, kernel 32, page") == 4 and "g5: 9 layers, block 8, kernel 8" in out
 
 
-def test_dsv41_block_sizes_logged_in_one_line(kv_blocks, capsys: pytest.CaptureFixture,
+def test_dsv41_block_sizes_logged_in_one_line(kv_fix, capsys: pytest.CaptureFixture,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
-    monkeypatch.setattr(kv_blocks, "_logged", set())  # earlier tests logged this layout already
-    lines, level = _Lines(), kv_blocks.logger.level
-    kv_blocks.logger.addHandler(lines)
-    kv_blocks.logger.setLevel(logging.INFO)
+    monkeypatch.setattr(kv_fix, "_logged", set())  # earlier tests logged this layout already
+    lines, level = _Lines(), kv_fix.logger.level
+    kv_fix.logger.addHandler(lines)
+    kv_fix.logger.setLevel(logging.INFO)
     try:
         assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64, "sm120", kv_gib=32.0)) == 0
     finally:
-        kv_blocks.logger.removeHandler(lines)
-        kv_blocks.logger.setLevel(level)
+        kv_fix.logger.removeHandler(lines)
+        kv_fix.logger.setLevel(level)
     capsys.readouterr()
     assert "g4=128 (asked 64) [FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]; g5=8 [CompressorBackend]" in (
         lines.lines[-1]), lines.lines
     assert lines.lines[-1].startswith("vllm-expert-offload KV block sizes per group: g0=32 [DEEPSEEK_SPARSE_SWA]; ")
 
 
-def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureFixture) -> None:
+def test_check_kv_refuses_dsv41_without_a_gpu(kv_fix, capsys: pytest.CaptureFixture) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
     assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
@@ -485,7 +485,7 @@ def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
 
 
 
-def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_check_kv_in_process_for_a_pattern(kv_fix, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
     model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
@@ -504,7 +504,7 @@ def _group_blocks(out: str) -> list[int]:
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256])
-def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.CaptureFixture, block_size: int) -> None:
+def test_check_kv_plans_dsv4_flash_at_every_size(kv_fix, capsys: pytest.CaptureFixture, block_size: int) -> None:
     """Twin of the repro's flash+plugin case: with the fix, the compressed group gets its 256-token pages while
     the sliding-window groups keep 64 and the compressor states 4 and 8, whatever --block-size asks."""
     from vllm_expert_offload.tools import check_kv_cmd
@@ -518,7 +518,7 @@ def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.Captu
 
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
+def test_check_kv_plans_dsv4_layer_patterns(kv_fix, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
                                            block_size: int) -> None:
     """Twin of the repro's c128_first+plugin and more_layers+plugin cases: other layer orders plan too."""
     from vllm_expert_offload.tools import check_kv_cmd
@@ -531,7 +531,7 @@ def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: p
 
 
 @pytest.mark.parametrize(("requested", "planned"), [(16, 32), (32, 32), (64, 64), (128, 128), (256, 256)])
-def test_check_kv_plans_qwen_on_the_cpu_backend(kv_blocks, capsys: pytest.CaptureFixture, requested: int,
+def test_check_kv_plans_qwen_on_the_cpu_backend(kv_fix, capsys: pytest.CaptureFixture, requested: int,
                                                 planned: int) -> None:
     """Twin of the repro's Qwen3-MoE summary: CPU_ATTN takes multiples of 32, so 16 is raised to 32 (upstream
     refuses it, see the fix-off test below) and every multiple of 32 is kept."""

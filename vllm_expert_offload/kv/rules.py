@@ -1,7 +1,7 @@
 """Which KV-cache block size each group can use: the decision alone, free of vLLM objects.
 
-The startup fix (kv_blocks.py), the `check-kv` tool and the unit tests all call these functions, so the rule
-that runs at startup is the rule the tests exercise. The rule mirrors what vLLM's worker does with a block
+The startup fix (integration/kv/fix.py), the `check-kv` tool and the unit tests all call these functions, so the
+rule that runs at startup is the rule the tests exercise. The rule mirrors what vLLM's worker does with a block
 size (`select_common_block_size`, `AttentionGroup.create_metadata_builders`, kernel-block mapping of packed
 caches) and adds the check vLLM lacks: a compressed cache must hold whole compressed states per kernel block,
 otherwise DeepSeek-V4's ratio-128 layers get 0-byte pages at `--block-size 64` and the engine divides by zero.

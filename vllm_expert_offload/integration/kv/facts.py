@@ -1,4 +1,4 @@
-"""Translate vLLM's KV-cache objects into the facts kv_block_rules decides on.
+"""Translate vLLM's KV-cache objects into the facts kv/rules.py decides on.
 
 Kept apart from the rules so that those stay importable and testable without vLLM, and apart from the hooks
 so that the `check-kv` tool describes groups exactly as the startup fix sees them.

@@ -11,7 +11,7 @@ meets its backend:
 
 - `customize_attention_spec(backend, spec)` (worker, spec construction, both model runners): keeps the
   spec's block size when its backend can use it, else raises it to the smallest workable size
-  (kv_block_rules.resolve_block_sizes), before the engine plans anything;
+  (kv/rules.py: resolve_block_sizes), before the engine plans anything;
 - `prepare_kernel_block_sizes(kv_cache_config, attn_groups)` (worker, KV-cache init, both model runners):
   refuses a planned group no kernel block fits, naming the group, backends and workable sizes, where
   upstream either raises an opaque error or (packed layouts) skips the check; logs the per-group sizes.
@@ -45,7 +45,7 @@ RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
 RUNNER_V2 = "vllm.v1.worker.gpu.attn_utils"
 
 # A child of vLLM's configured "vllm" logger, so the line reaches vLLM's handlers and honours its level.
-logger = logging.getLogger("vllm.expert_offload.kv_blocks")
+logger = logging.getLogger("vllm.expert_offload.kv")
 
 # (backend name, compression ratio, chosen size) -> the size vLLM had asked for; annotates the summary line.
 _raised: dict[tuple[str, int | Fraction, int], int] = {}
