@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from vllm.v1.worker.utils import AttentionGroup
 
 ENV_SWITCH = "VLLM_EXPERT_OFFLOAD_KV_FIX"
-CHECKED_ON = ("0.32", "0.33")
 UTILS = "vllm.v1.worker.utils"
 RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
 RUNNER_V2 = "vllm.v1.worker.gpu.attn_utils"
@@ -123,7 +122,7 @@ def _hooks() -> tuple[Hook, ...]:
         "prepare_kernel_block_sizes": (("kv_cache_config", "attn_groups"), _wrap_prepare_kernel_block_sizes),
     }
     return tuple(
-        Hook(module, name, params, CHECKED_ON, wrap, loaded_only=module != UTILS)
+        Hook(module, name, params, wrap, loaded_only=module != UTILS)
         for name, (params, wrap) in wrappers.items()
         for module in (UTILS, RUNNER_V1, RUNNER_V2)
     )
