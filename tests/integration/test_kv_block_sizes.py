@@ -2,7 +2,7 @@
 "DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
 
 Four layers of evidence: the pure resolver (tests/kv, no vLLM); the hooks on vLLM's own worker functions, in process
-(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` on the DeepSeek-V4.1 config the
+(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` (integration/kv/check.py) on the DeepSeek-V4.1 config the
 project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
 spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
 each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
