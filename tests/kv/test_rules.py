@@ -100,3 +100,21 @@ def test_planned_size_refused_with_the_sizes_that_would_work() -> None:
     message = str(refused.value)
     assert message.startswith("KV-cache group g2: block size 128 is not usable (DEEPSEEK_V4_INDEXER takes [256]")
     assert message.endswith("sizes that would work: 256, 512, 1024, 2048, 4096")
+
+
+@pytest.mark.parametrize("requested", [64, 128, 256])
+def test_dsv41_sm120_ratio_groups_get_64_states(requested: int) -> None:
+    """SM120's kernel truth (64 states per page) as declarations: ratio-1 caches [64], ratio-2 caches [128]. One
+    packed block cannot give both 64 states (ratio-1 caches are never split), so the spec hook decides per cache and
+    the two ratios plan apart: 64 and 128 at every --block-size, whatever it asks."""
+    flashinfer, indexer = "FLASHINFER_MLA_SPARSE_DSV41", "DEEPSEEK_V41_INDEXER"
+    ratio1 = GroupFacts("r1", (Member(BackendSizes(flashinfer, (64,)), 1, 584, 576),
+                               Member(BackendSizes(indexer, (64,)), 1, 132, 576)), requested, packed=True, gpu="SM120")
+    ratio2 = GroupFacts("r2", (Member(BackendSizes(flashinfer, (128,)), 2, 584, 576),
+                               Member(BackendSizes(indexer, (128,)), 2, 132, 576)), requested, packed=True, gpu="SM120")
+    assert resolve_block_sizes([ratio1, ratio2]) == {"r1": 64, "r2": 128}
+    both = GroupFacts("both", ratio1.members + ratio2.members, requested, packed=True, gpu="SM120")
+    with pytest.raises(KVBlockLayoutError, match=r"KV-cache group both on SM120: block size \d+ is not usable "
+                                                 r"\(FLASHINFER_MLA_SPARSE_DSV41 takes \[64\];.* sizes that would "
+                                                 r"work: none"):
+        resolve_block_sizes([both])

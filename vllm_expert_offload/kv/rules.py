@@ -78,13 +78,14 @@ class GroupFacts:
     model-fixed size for the others (DeepSeek-V4's sliding window 64, compressor states 4 and 8).
     `packed` is true when other layers' pages sit between this group's blocks (block-outermost layouts):
     vLLM then splits a block into kernel blocks per backend, and only compressed caches whose smaller pages
-    need no padding can be split.
+    need no padding can be split. `gpu` names the GPU family the backends' sizes are for ("SM120"), if any.
     """
 
     name: str
     members: tuple[Member, ...]
     requested: int
     packed: bool = False
+    gpu: str = ""
 
 
 def _kernel_for(backends: Sequence[BackendSizes], size: int) -> int | None:
@@ -140,8 +141,9 @@ def refusal(group: GroupFacts, workable: Sequence[int]) -> str:
     members = "; ".join(m.describe() for m in group.members)
     works = ", ".join(map(str, workable)) if workable else "none (no size fits every backend and ratio)"
     packed = ", blocks packed block-outermost" if group.packed else ""
+    gpu = f" on {group.gpu}" if group.gpu else ""
     return (
-        f"KV-cache group {group.name}: block size {group.requested} is not usable ({members}{packed}); "
+        f"KV-cache group {group.name}{gpu}: block size {group.requested} is not usable ({members}{packed}); "
         f"sizes that would work: {works}"
     )
 

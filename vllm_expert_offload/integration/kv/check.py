@@ -1,11 +1,12 @@
-"""Would vLLM plan and accept this model's KV cache? What `check-kv` runs.
+"""Would vLLM plan and accept this model's KV cache, on pages its kernels have? What `check-kv` runs.
 
 The steps of a vLLM start-up that touch KV caches, from config.json alone (no weights, no GPU): per-layer specs
 (worker), layout and planning against a stand-in memory budget (engine core), the engine's block-size resolution,
 the worker's kernel-block selection and its kernel-block views of the cache; all with the startup fix installed,
-unless VLLM_EXPERT_OFFLOAD_KV_FIX=0 asks for vLLM's own behaviour. The point is to check a GPU deployment from any
-machine, so the adjustments the CPU build makes to a config are undone: on CUDA, `--block-size` is taken as given,
-prefix caching stays on and the hybrid KV-cache manager is used.
+unless VLLM_EXPERT_OFFLOAD_KV_FIX=0 asks for vLLM's own behaviour. Then each group's kernel pages against the
+kernel truth table (kv/kernel_pages.py): vLLM's checks passing does not mean a kernel exists for the page. The
+point is to check a GPU deployment from any machine, so the adjustments the CPU build makes to a config are
+undone: on CUDA, `--block-size` is taken as given, prefix caching stays on and the hybrid KV-cache manager is used.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...kv.kernel_pages import PageCheck, check_page
+from ...kv.rules import KVBlockLayoutError
+from . import declarations
 from .facts import layer_spec
 from .fix import ENV_SWITCH, fix_enabled, install
 from .model_specs import layer_specs
@@ -153,6 +157,36 @@ def _kernel_views(
     worker_utils.map_kv_caches_to_kernel_blocks(kv_caches, [g for groups in attn_groups for g in groups])
 
 
+def page_checks(attn_groups: list[list[AttentionGroup]], kernel_sizes: list[int]) -> list[list[PageCheck]]:
+    """Per KV-cache group, each attention cache's kernel page (the kernel block `create_metadata_builders` picks)
+    checked against the kernel truth table for the running GPU."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker import utils as worker_utils
+
+    capability = declarations.running_capability()
+    per_group = []
+    for gid, groups in enumerate(attn_groups):
+        checks: dict[tuple, PageCheck] = {}
+        for group in groups:
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                continue
+            kernel = worker_utils.select_common_block_size(kernel_sizes[gid], [group.backend], [spec])
+            name, ratio = group.backend.get_name(), spec.tokens_per_state
+            checks.setdefault((name, ratio), check_page(name, capability, kernel, ratio))
+        per_group.append(list(checks.values()))
+    return per_group
+
+
+def _missing(pages: list[list[PageCheck]]) -> None:
+    """Refuse the plan if the table says some page has no kernel (vLLM's own checks cannot see it)."""
+    missing = [
+        f"g{gid} {page.describe()}" for gid, checks in enumerate(pages) for page in checks if page.exists is False
+    ]
+    if missing:
+        raise KVBlockLayoutError("; ".join(missing))
+
+
 def _spec_lines(specs: dict) -> list[str]:
     """Distinct layer specs: where an empty page or an unexpected block size shows before planning."""
     seen: dict[tuple, int] = {}
@@ -166,7 +200,8 @@ def _spec_lines(specs: dict) -> list[str]:
 
 
 def _group_lines(
-    kv_cache_config: KVCacheConfig, attn_groups: list[list[AttentionGroup]], kernel_sizes: list[int]
+    kv_cache_config: KVCacheConfig, attn_groups: list[list[AttentionGroup]], kernel_sizes: list[int],
+    pages: list[list[PageCheck]],
 ) -> list[str]:
     lines = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -176,6 +211,7 @@ def _group_lines(
             f"  g{gid}: {len(group.layer_names)} layers, block {group.kv_cache_spec.block_size}, "
             f"kernel {kernel_sizes[gid]}, page {'/'.join(map(str, sizes))} B [{backends}]"
         )
+        lines.extend(f"      kernel page: {page.describe()}" for page in pages[gid])
     return lines
 
 
@@ -226,4 +262,6 @@ def _steps(request: KVCheckRequest, config: VllmConfig) -> Iterator[str]:
         f"  layout {layout.name}; {configs[0].num_blocks} blocks per rank in {request.kv_gib:g} GiB; "
         f"scheduler block {scheduler_block}, hash block {hash_block}"
     )
-    yield from _group_lines(configs[0], attn_groups, kernel_sizes)
+    pages = page_checks(attn_groups, kernel_sizes)
+    yield from _group_lines(configs[0], attn_groups, kernel_sizes, pages)
+    _step("kernel pages", _missing, pages)
