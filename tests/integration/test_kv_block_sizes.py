@@ -201,6 +201,33 @@ def test_spec_hook_declares_the_sm120_pages_from_the_truth_table(kv_fix) -> None
     assert DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes() == [128]  # no spec, no GPU: vLLM's
 
 
+def test_sm120_specs_are_customized_for_the_declarations_they_end_with(kv_fix, monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """vLLM's customization aligns block strides to the largest declared size; it runs after the declaration is set,
+    also for the first cache of each backend in a process (here with vLLM's own declarations back in place)."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekSparseSWAFlashInferBackend,
+        DeepseekV4FlashInferMLASparseBackend,
+    )
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+
+    from vllm_expert_offload.integration.kv.check import KVCheckRequest, _vllm_config
+    from vllm_expert_offload.integration.kv.model_specs import layer_specs
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    for backend in (DeepseekV4FlashInferMLASparseBackend, DeepseekV41IndexerBackend,
+                    DeepseekSparseSWAFlashInferBackend):
+        declared = backend.get_supported_kernel_block_sizes
+        monkeypatch.setattr(backend, "get_supported_kernel_block_sizes",
+                            staticmethod(getattr(declared, "__wrapped__", declared)))
+    config = _vllm_config(KVCheckRequest(DSV41_FIXTURE, 64, gpu_arch="sm120"))
+    with emulated("sm120"):
+        layers = layer_specs(config, 1, None, "sm120")
+    aligned = {(spec.block_size, spec.block_stride_alignment.base) for spec, backend in layers.values()
+               if backend.get_name() != "CompressorBackend"}
+    assert aligned == {(64, 64), (128, 128)}
+
+
 def test_spec_hook_refuses_a_backend_the_table_gives_no_kernels_on_the_gpu(kv_fix) -> None:
     """FlashMLA's V4.1 backend has kernels on SM90 and SM100 only: on SM120 startup stops at the first spec."""
     from vllm.models.deepseek_v41.sparse_mla import DeepseekV4FlashMLABackend
@@ -255,6 +282,16 @@ def test_kernel_hook_refuses_and_logs_one_line(kv_fix) -> None:
         kv_fix.logger.removeHandler(lines)
         kv_fix.logger.setLevel(level)
     assert lines.lines == ["vllm-expert-offload KV block sizes per group: g0=96 [CPU_ATTN]"]
+
+
+def test_kernel_hook_names_the_gpu_in_a_refusal(kv_fix) -> None:
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated("sm120"), pytest.raises(KVBlockLayoutError, match=r"KV-cache group g0 \(2 layers from l0\) on "
+                                                                     r"SM120: block size 16 is not usable"):
+        utils.prepare_kernel_block_sizes(*_planned(16))
 
 
 def test_check_kv_subcommand_is_wired() -> None:
@@ -358,7 +395,11 @@ def _sm120_summary(kv_fix, monkeypatch: pytest.MonkeyPatch, block_size: int) -> 
 def test_dsv41_block_sizes_logged_in_one_line(kv_fix, capsys: pytest.CaptureFixture,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The one line per start: each group's block (and what vLLM asked), backends and states per compressed page,
-    and which declarations the kernel truth table set."""
+    and which declarations the kernel truth table set (vLLM's own, also where earlier tests wrapped them already)."""
+    from vllm_expert_offload.integration.kv import declarations
+
+    monkeypatch.setattr(declarations, "corrected", {})
+    monkeypatch.setattr(declarations, "confirmed", set())
     lines = _sm120_summary(kv_fix, monkeypatch, 64)
     capsys.readouterr()
     swa = "=64 (asked 32) [DEEPSEEK_SPARSE_SWA]"

@@ -34,11 +34,12 @@ confirmed: set[tuple[str, int, object]] = set()
 
 def running_capability() -> int | None:
     """The CUDA family the kernels run on (90, 100, 120), asked as vLLM's backends ask it
-    (`is_device_capability_family`), or None: no CUDA GPU, or a platform (ROCm, XPU) whose kernels the table does
-    not describe. `check-kv --gpu-arch` (and the kv-plan-repro's `--cap`) make a CPU answer for a CUDA GPU."""
+    (`is_device_capability_family`), or None: no GPU, or ROCm, whose gfx capabilities (9.4 for MI300) would read as
+    CUDA families the table does not describe (other platforms report none). `check-kv --gpu-arch` and the
+    kv-plan-repro's `--cap` make a CPU answer for a CUDA GPU."""
     from vllm.platforms import current_platform
 
-    if not (current_platform.is_cuda() or current_platform.is_cpu()):
+    if current_platform.is_rocm():
         return None
     return next((family for family in CAPABILITIES if current_platform.is_device_capability_family(family)), None)
 
