@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 
 import torch
 
+from vllm_expert_offload.kernels.contract import LinearLayer
 from vllm_expert_offload.kernels.linear import LinearShard
-from vllm_expert_offload.kernels.oracle import (KernelChoice, build_linear_kernel, exllamav3_unavailable,
-                                                triton_unavailable)
-from vllm_expert_offload.testing.random_layers import median_seconds, random_linear, random_moe
+from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel, why_unavailable
+from vllm_expert_offload.tools.random_layers import median_seconds, random_linear, random_moe
 
 FULL = {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "k": 3, "tokens": (1, 8, 64),
         "host_shares": (0.0, 0.25, 0.5, 1.0), "dense": 4096, "dense_k": 4, "repeats": 3}
@@ -36,7 +36,7 @@ BACKENDS = ("exllamav3", "triton", "torch")
 
 def usable_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:
     """The backends that can run on `device`, and why each other one cannot."""
-    why_not = {"exllamav3": exllamav3_unavailable(device), "triton": triton_unavailable(device), "torch": None}
+    why_not = {b: why_unavailable(b, device) for b in BACKENDS}
     return [b for b in BACKENDS if why_not[b] is None], {b: why for b, why in why_not.items() if why is not None}
 
 
@@ -77,8 +77,8 @@ def bench_dense(shape: dict, device: torch.device, backends: list[str]) -> list[
     """Per row count: fp16 matmul and each trellis-reading backend (`exl3_<backend>_s`, `<backend>_ratio_to_fp16`)."""
     n, k = shape["dense"], shape["dense_k"]
     layer = random_linear(torch.Generator().manual_seed(1), n, n, k)
-    kernels = {b: build_linear_kernel(KernelChoice(b, b, "benchmark"), [LinearShard(layer, 0, n, n, 0, n)],
-                                      torch.float16, device) for b in backends if b != "torch"}
+    spec = LinearLayer([LinearShard(layer, 0, n, n, 0, n)], torch.float16, device)
+    kernels = {b: build_linear_kernel(KernelChoice(b, b, "benchmark"), spec) for b in backends if b != "torch"}
     dense = torch.randn(n, n, device=device).half() / n**0.5
     rows = []
     for tokens in shape["tokens"]:

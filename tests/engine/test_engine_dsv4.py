@@ -39,13 +39,13 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("host_fraction", [1.0, 0.5])
-def test_exl3_dsv4_tracks_hf_on_the_dense_twin(host_fraction: float) -> None:
+@pytest.mark.parametrize(("host_fraction", "enforce_eager"), [(1.0, True), (0.5, False)], ids=["eager", "compiled"])
+def test_exl3_dsv4_tracks_hf_on_the_dense_twin(host_fraction: float, enforce_eager: bool) -> None:
     exl3 = build_tiny_dsv4_exl3()
     twin = str(build_dense_twin(exl3))
     prompts = _prompts()
     got = generate_greedy(EngineSpec(
-        str(exl3), prompts, MAX_TOKENS, block_size=256, dtype="bfloat16",
+        str(exl3), prompts, MAX_TOKENS, block_size=256, dtype="bfloat16", enforce_eager=enforce_eager,
         additional_config={"expert_offload": {"host_fraction": host_fraction}},
         preload=["vllm_expert_offload.testing.dsv4_cpu_shim"],
     ))

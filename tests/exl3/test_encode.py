@@ -24,6 +24,7 @@ from vllm_expert_offload.exl3 import (
 )
 from vllm_expert_offload.exl3.encode import DEFAULT_SCALE, ROW_TARGET_RMS, encode_linear, encode_tiles
 from vllm_expert_offload.exl3.tile import positions_to_tiles
+from vllm_expert_offload.kernels import cpu_exl3  # noqa: F401  (offers the compiled Viterbi to the encoder)
 
 MUL1_MAX_ERROR = {2: 0.08, 3: 0.022, 4: 0.006}
 

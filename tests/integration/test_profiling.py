@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm_expert_offload.integration.startup import profiling
+from vllm_expert_offload.offload import phase
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def fake_runner(monkeypatch):
 
     class GPUModelRunner:
         def profile_run(self, randomize_inputs: bool = False) -> None:
-            seen.append(profiling.profiling())
+            seen.append(phase.profiling())
 
     module = types.ModuleType("vllm.v1.worker.gpu_model_runner")
     module.GPUModelRunner = GPUModelRunner
@@ -30,9 +31,9 @@ def test_flag_is_up_only_inside_profile_run(fake_runner) -> None:
     runner_cls, seen = fake_runner
     assert profiling.install_profile_flag() == 1
     assert profiling.install_profile_flag() == 0, "installing twice must not wrap twice"
-    assert not profiling.profiling()
+    assert not phase.profiling()
     runner_cls().profile_run()
-    assert seen == [True] and not profiling.profiling()
+    assert seen == [True] and not phase.profiling()
 
 
 def test_flag_drops_when_profile_run_raises(fake_runner) -> None:
@@ -45,7 +46,7 @@ def test_flag_drops_when_profile_run_raises(fake_runner) -> None:
     profiling.install_profile_flag()
     with pytest.raises(RuntimeError):
         runner_cls().profile_run()
-    assert not profiling.profiling()
+    assert not phase.profiling()
 
 
 def test_spread_routing_touches_every_expert_with_distinct_picks() -> None:

@@ -11,10 +11,10 @@ import os
 import signal
 from pathlib import Path
 
-from vllm_expert_offload.integration.offload.options import OffloadOptions
-from vllm_expert_offload.integration.offload.placement_state import at_process_exit
 from vllm_expert_offload.integration.startup.stats_saver import saving_stats
 from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
+from vllm_expert_offload.offload.options import OffloadOptions
+from vllm_expert_offload.offload.process import at_process_exit
 
 
 class FakeClient:

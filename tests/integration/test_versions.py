@@ -101,7 +101,7 @@ def test_plugin_registers_and_plans_on_a_newer_vllm(monkeypatch: pytest.MonkeyPa
 
 
 def _fake_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    module = types.ModuleType("fake_vllm_module")
+    module = types.ModuleType("vllm.fake_hooked")
 
     class Backend:
         @staticmethod
@@ -120,13 +120,13 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     module = _fake_module(monkeypatch)
-    with pytest.raises(HookError, match=r"fake_vllm_module.target takes \('backend', 'spec'\); the hook was written "
+    with pytest.raises(HookError, match=r"vllm.fake_hooked.target takes \('backend', 'spec'\); the hook was written "
                                         r"for \('spec',\) \(vLLM 0\.32, 0\.33\)\. This vLLM changed it: the plugin "
                                         r"refuses to patch it blindly"):
         Hook(module.__name__, "target", ("spec",), lambda fn: fn).install()
     with pytest.raises(HookError, match=r"Backend.sizes takes \('kv_cache_spec',\); the hook was written for \(\)"):
         Hook(module.__name__, "Backend.sizes", (), lambda fn: fn).install()
-    with pytest.raises(HookError, match="fake_vllm_module.Backend.missing does not exist in this vLLM"):
+    with pytest.raises(HookError, match="vllm.fake_hooked.Backend.missing does not exist in this vLLM"):
         Hook(module.__name__, "Backend.missing", (), lambda fn: fn).install()
     assert module.target(None, 0) == 0 and not getattr(module.Backend.sizes, SENTINEL, False)
 

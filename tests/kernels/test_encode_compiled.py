@@ -1,4 +1,4 @@
-"""The compiled Viterbi (csrc/exl3_viterbi.cpp) against the torch one in exl3/encode.py: same states, bit for bit.
+"""The compiled Viterbi (vllm_expert_offload/csrc/exl3_viterbi.inc) against the torch one in exl3/encode.py: same states, bit for bit.
 
 Encoded checkpoints must not depend on whether the machine that quantized them had a compiler, so every K and
 codebook is compared on tiles that stress the float details: ties (codebook values repeat, exact-hit and
@@ -15,6 +15,7 @@ import torch
 from vllm_expert_offload.exl3 import Codebook, codebook_table, encode
 from vllm_expert_offload.exl3.bitrate import HALF_K, INTEGER_K
 from vllm_expert_offload.exl3.encode import ROW_TARGET_RMS, VITERBI_ENV, encode_tiles
+from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.kernels import cpu_exl3
 
 from support.torch_rounding import torch_addcmul_fuses
@@ -82,9 +83,13 @@ def test_forced_torch_and_unavailable_compiled_are_logged(
     monkeypatch.setattr(cpu_exl3, "extension", unavailable)
     monkeypatch.delenv(VITERBI_ENV)
     assert encode.compiled_viterbi() is None
-    assert "compiled encoder is unavailable: building csrc/ failed: no compiler" in caplog.records[-1].getMessage()
+    assert ("compiled encoder is unavailable: the compiled CPU kernels: building csrc/ failed: no compiler"
+            in caplog.records[-1].getMessage())
     monkeypatch.setenv(VITERBI_ENV, "compiled")
-    with pytest.raises(cpu_exl3.CpuKernelUnavailable, match=f"{VITERBI_ENV}=compiled, but the compiled encoder is not"):
+    with pytest.raises(Exl3FormatError, match=f"{VITERBI_ENV}=compiled, but the compiled encoder is not"):
+        encode.compiled_viterbi()
+    monkeypatch.setattr(encode, "_COMPILED_VITERBI", {})  # nothing registered: said so, not guessed at
+    with pytest.raises(Exl3FormatError, match="none is registered"):
         encode.compiled_viterbi()
     with pytest.raises(ValueError, match="viterbi=fast: expected one of auto, compiled, torch"):
         encode.compiled_viterbi("fast")

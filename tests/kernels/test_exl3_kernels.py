@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear
-from vllm_expert_offload.kernels.table_moe import ExpertCrop
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 
 from support import exl3_reference as ref
@@ -166,12 +166,11 @@ def test_linear_matches_dequantized_for_fused_shards_with_offsets(backend: Matmu
     k = parse_linear(make_layer(2.5, "mul1", 256, 128, seed=6), "k")
     shards = [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
     x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
-    bias = torch.randn(304)
-    want = DequantizedLinear(shards, torch.float32, CPU).forward(x, bias)
-    got = RotatedLinear(shards, CPU, backend).forward(x, bias)
+    want = DequantizedLinear(shards, torch.float32, CPU).forward(x)
+    got = RotatedLinear(shards, CPU, backend).forward(x)
     assert got.shape == (rows, 304)
     assert_close_to_reference(got, want)
-    assert (got[:, 160:176] == bias[160:176]).all()  # padding rows carry only the bias
+    assert (got[:, 160:176] == 0).all()  # padding rows are zero (the method adds the bias)
 
 
 def test_linear_fp16_and_bf16_activations_round_like_exllamav3() -> None:
@@ -198,7 +197,7 @@ def test_forward_makes_no_host_synchronisation(full_layer, backend: MatmulBacken
     linear = RotatedLinear([LinearShard(layer, 0, 128, 128, 0, 128)], CPU, backend)
     with NoHostSync():
         triton.forward(x, weights, ids, False)
-        linear.compute(x)
+        linear.forward(x)
     with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
         reference.forward(x, weights, ids, False)  # negative control: the torch reference does sync
 

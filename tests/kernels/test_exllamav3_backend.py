@@ -16,18 +16,13 @@ from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
 from vllm_expert_offload.exl3.decode import dequantize_kn
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels import exllamav3_backend
+from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.exllamav3_backend import MOE_ROWS, SIGNATURES, Exllamav3Linear, Exllamav3MoE
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.pointer_tables import (
-    build_pointer_tables,
-    host_record_bytes,
-    kernel_address,
-    place_expert,
-    stack_scales,
-)
-from vllm_expert_offload.kernels.table_moe import ExpertCrop
+from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.memory import HostArena
-from vllm_expert_offload.testing.random_layers import random_linear
+from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
+from vllm_expert_offload.tools.random_layers import random_linear
 
 from support.exllamav3_headers import header_signature
 from support.layers import make_layer
@@ -150,15 +145,14 @@ def test_moe_refuses_a_layer_outside_its_constraints(fake_ext) -> None:
 
 
 def test_warm_up_runs_once_in_the_profile_run(fake_ext, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exllamav3_backend, "_profiling", lambda: True)
+    monkeypatch.setattr(exllamav3_backend, "profiling", lambda: True)
     layer = _layer(fake_ext)
     layer.forward(*_routing(2, top_k=2), False)
     layer.forward(*_routing(2, top_k=2), False)
     assert fake_ext.calls == ["exl3_moe_coop"] * 9 + ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather",
                                                       "exl3_moe_coop"]
-    monkeypatch.setattr(exllamav3_backend, "capture_sizes", lambda: (1, 4, 16))
     linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
-                             ext=fake_ext)
+                             capture_rows=(1, 4, 16), ext=fake_ext)
     fake_ext.calls.clear()
     linear.forward(torch.randn(2, 128))
     linear.forward(torch.randn(2, 128))
@@ -189,4 +183,4 @@ def test_glue_makes_no_host_synchronisation(tokens: int) -> None:
     layer.forward(x, weights, ids, False)  # allocates the scratch and temps, once, before capture
     with NoHostSync():
         layer.forward(x, weights, ids, False)
-        linear.compute(torch.randn(tokens, 128))
+        linear.forward(torch.randn(tokens, 128))

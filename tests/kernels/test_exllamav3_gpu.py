@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_expert_offload.kernels.contract import LinearLayer
+from vllm_expert_offload.kernels.exllamav3_backend import exllamav3_unavailable
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel, exllamav3_unavailable
-from vllm_expert_offload.testing.random_layers import random_linear, random_moe
+from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel
+from vllm_expert_offload.tools.random_layers import random_linear, random_moe
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -69,5 +71,6 @@ def test_exllamav3_linear_matches_dequantized(rows: int) -> None:
     layer = random_linear(torch.Generator().manual_seed(rows), 512, 384, 4)
     shards = [LinearShard(layer, 0, 384, 384, 0, 512)]
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(0)).half().to(CUDA)
-    got = build_linear_kernel(KernelChoice("exllamav3", "exllamav3", "test"), shards, torch.float16, CUDA).forward(x)
+    layer_spec = LinearLayer(shards, torch.float16, CUDA)
+    got = build_linear_kernel(KernelChoice("exllamav3", "exllamav3", "test"), layer_spec).forward(x)
     _close(got, DequantizedLinear(shards, torch.float32, CUDA).forward(x.float()))

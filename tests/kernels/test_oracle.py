@@ -11,17 +11,20 @@ import torch
 
 from vllm_expert_offload.exl3 import Codebook
 from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels.contract import ExpertCrop, MoELayer
 from vllm_expert_offload.kernels.exllamav3_backend import moe_refusal
-from vllm_expert_offload.kernels.oracle import BackendUnavailable, KernelChoice, build_moe_kernel, choose_kernels
-from vllm_expert_offload.kernels.pointer_tables import (
-    PlacedExpert,
-    build_pointer_tables,
-    kernel_address,
-    place_expert,
-    stack_scales,
+from vllm_expert_offload.kernels.oracle import (
+    REGISTRY,
+    BackendUnavailable,
+    KernelChoice,
+    build_moe_kernel,
+    choose_kernels,
 )
-from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
-from vllm_expert_offload.testing.random_layers import random_linear
+from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
+from vllm_expert_offload.kernels.table_moe import TableMoE
+from vllm_expert_offload.offload.options import BACKENDS
+from vllm_expert_offload.offload.tiers import PlacedExpert, place_expert
+from vllm_expert_offload.tools.random_layers import random_linear
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU to exist
 
@@ -37,7 +40,7 @@ def test_without_the_cpu_kernel_auto_says_why_and_asking_for_it_is_refused(monke
     monkeypatch.setattr(cpu_exl3, "cpu_kernel_unavailable", lambda: "building exl3_cpu.cpp failed: no compiler")
     choice = choose_kernels("auto", CPU)
     assert (choice.moe, choice.linear) == ("torch", "dequantized") and not choice.graph_safe
-    assert "compiled CPU kernel is unavailable (building exl3_cpu.cpp failed: no compiler)" in choice.reason
+    assert "cpu passed over (building exl3_cpu.cpp failed: no compiler)" in choice.reason
     with pytest.raises(BackendUnavailable, match="kernel='cpu' cannot run: building exl3_cpu.cpp failed"):
         choose_kernels("cpu", CPU)
 
@@ -111,11 +114,12 @@ def test_exllamav3_takes_one_k_for_gate_and_up() -> None:
 
 def test_a_layer_exllamav3_refuses_falls_back_in_auto_and_is_refused_when_asked_for(fake_exllamav3) -> None:
     experts, tables, scales, crop = _moe_layer([(3, "mul1"), (4, "mul1")])
+    layer = MoELayer(experts, tables, scales, None, crop, torch.float32, CPU)
     auto = KernelChoice("exllamav3", "exllamav3", "test", fallback="torch")
-    assert isinstance(build_moe_kernel(auto, experts, tables, scales, None, crop, torch.float32, CPU), TableMoE)
+    assert isinstance(build_moe_kernel(auto, layer), TableMoE)
     asked = KernelChoice("exllamav3", "exllamav3", "test")
     with pytest.raises(BackendUnavailable, match=r"kernel='exllamav3' cannot compute random: .*one K per projection"):
-        build_moe_kernel(asked, experts, tables, scales, None, crop, torch.float32, CPU)
+        build_moe_kernel(asked, layer)
 
 
 def test_dequantize_linears_is_an_explicit_opt_in() -> None:
@@ -147,3 +151,16 @@ def test_exllamav3_asked_for_is_refused_not_replaced_where_it_does_not_import(no
 def test_unknown_backend_refused() -> None:
     with pytest.raises(BackendUnavailable, match="expected one of"):
         choose_kernels("cutlass", CPU)
+
+
+def test_the_option_names_exactly_the_registered_backends() -> None:
+    assert set(BACKENDS) == {"auto"} | {name for name, _ in REGISTRY}
+
+
+def test_without_any_usable_backend_auto_refuses_naming_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_expert_offload.kernels import cpu_exl3, oracle
+
+    monkeypatch.setattr(oracle, "REGISTRY", (("cpu", "cpu_exl3"),))
+    monkeypatch.setattr(cpu_exl3, "cpu_kernel_unavailable", lambda: "no compiler")
+    with pytest.raises(BackendUnavailable, match=r"no EXL3 backend can run on cpu: cpu passed over \(no compiler\)"):
+        choose_kernels("auto", CPU)

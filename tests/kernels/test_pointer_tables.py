@@ -13,12 +13,11 @@ from vllm_expert_offload.kernels.pointer_tables import (
     PARTS,
     build_pointer_tables,
     gpu_tier_registry,
-    host_record_bytes,
     kernel_address,
-    place_expert,
     read_trellis,
 )
 from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 
 from support.cuda_alias import device_alias
 

@@ -20,16 +20,13 @@ from vllm_expert_offload.exl3 import dequantize
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.exl3.tensors import padded
 from vllm_expert_offload.integration.methods.linear_method import Exl3LinearMethod
-from vllm_expert_offload.integration.offload.expert_plan import ExpertGeometry
+from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.oracle import choose_kernels
-from vllm_expert_offload.kernels.pointer_tables import (
-    build_pointer_tables,
-    host_record_bytes,
-    kernel_address,
-    place_expert,
-)
-from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
+from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address
+from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.offload.rank_plan import ExpertGeometry
+from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 
 from support import exl3_reference as ref
 
@@ -140,11 +137,21 @@ def _linear_layer(tp_rank: int, tp_size: int, row_parallel: bool, output_size: i
     return layer
 
 
+@pytest.fixture(scope="module")
+def vllm_config():
+    """vLLM builds layers under a current config (the method registers its op target in its forward context)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
+
+
 @pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("row_parallel", [False, True], ids=["column", "row"])
 @pytest.mark.parametrize(("intermediate", "tp_size", "rank"), [r for key in OFFSETS for r in _ranks(*key)])
 def test_linear_method_rank_weight_equals_the_dense_weights_slice(
-    row_parallel: bool, intermediate: int, tp_size: int, rank: int, kernel: str
+    vllm_config, row_parallel: bool, intermediate: int, tp_size: int, rank: int, kernel: str
 ) -> None:
     """A dense MLP's up (column-parallel, output split) and down (row-parallel, input split) at the same widths:
     the reference backend's decoded weight is exactly the dense slice; the CPU kernel computes with it."""
@@ -155,6 +162,8 @@ def test_linear_method_rank_weight_equals_the_dense_weights_slice(
     quant_config = SimpleNamespace(shard_prefixes=lambda prefix: [prefix],
                                    kernel_choice=lambda device: choose_kernels(kernel, device))
     method = Exl3LinearMethod(quant_config, name)
+    quant_config.capture_sizes = lambda: ()
+    vllm_config.compilation_config.static_forward_context.pop(f"{name}.exl3", None)  # one layer per case
     layer = _linear_layer(rank, tp_size, row_parallel, fout)
     method.create_weights(layer, per_rank if row_parallel else fin, [fout if row_parallel else per_rank], fin, fout,
                           torch.float32)

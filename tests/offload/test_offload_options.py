@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_expert_offload.integration.offload.options import OffloadOptionError, parse_offload_options
 from vllm_expert_offload.integration.startup.crash_line import CrashLineError, check_crash_line
+from vllm_expert_offload.offload.options import OffloadOptionError, parse_offload_options
 
 GIB = 1 << 30
 

@@ -8,18 +8,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_expert_offload.exl3 import Exl3Linear, parse_linear
 from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
-from vllm_expert_offload.kernels.pointer_tables import (
-    build_pointer_tables,
-    host_record_bytes,
-    kernel_address,
-    place_expert,
-    stack_scales,
-)
+from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedMoE
-from vllm_expert_offload.kernels.table_moe import ExpertCrop, TableMoE
+from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 
 from .layers import make_layer
 

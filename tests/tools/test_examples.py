@@ -72,7 +72,7 @@ def vllm_serve_parser():
 
 
 def test_vllm_serve_commands_parse_and_name_known_options(vllm_serve_parser) -> None:
-    from vllm_expert_offload.integration.offload.options import _KNOWN, _PLACEMENT_KEYS, OPTION_KEY
+    from vllm_expert_offload.offload.options import _KNOWN, _PLACEMENT_KEYS, OPTION_KEY
 
     serve = [(name, argv) for name, argv in COMMANDS if argv[:2] == ["vllm", "serve"]]
     for name, argv in serve:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..validation import finite_number, refuse_unknown
 from .bitrate import HALF_K, INTEGER_K
 from .codebook import Codebook
 from .contract import CONTRACT_KEYS, MixedContract, is_mixed, parse_contract
@@ -41,10 +42,7 @@ class Exl3QuantConfig:
 def _number(config: Mapping[str, Any], key: str) -> float | None:
     if key not in config or config[key] is None:
         return None
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Exl3FormatError(f"quantization_config.{key}: {value!r} is not a number")
-    return float(value)
+    return finite_number(config[key], f"quantization_config.{key}", Exl3FormatError)
 
 
 def parse_quant_config(config: Mapping[str, Any]) -> Exl3QuantConfig:
@@ -52,12 +50,8 @@ def parse_quant_config(config: Mapping[str, Any]) -> Exl3QuantConfig:
     method = str(config.get("quant_method", "")).lower()
     if method != QUANT_METHOD:
         raise Exl3FormatError(f"quantization_config.quant_method: {config.get('quant_method')!r}, expected 'exl3'")
-    unknown = sorted(set(config) - KNOWN_KEYS)
-    if unknown:
-        raise Exl3FormatError(
-            f"quantization_config.{unknown[0]}: unsupported key; this plugin reads exllamav3's keys and the "
-            f"mixed-pack contract's (known keys: {sorted(KNOWN_KEYS)})"
-        )
+    refuse_unknown(config, KNOWN_KEYS, "quantization_config", Exl3FormatError,
+                   "unsupported key; this plugin reads exllamav3's keys and the mixed-pack contract's")
     bits = _number(config, "bits")
     if bits is None:
         raise Exl3FormatError("quantization_config.bits: missing")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..validation import refuse_unknown
 from .bitrate import HALF_K, INTEGER_K
 from .codebook import Codebook
 from .errors import Exl3FormatError
@@ -103,12 +104,8 @@ def _non_routed_exl3(value: Any) -> tuple[Codebook | None, dict[str, float]]:
     where = f"{KEY}.non_routed_exl3"
     if not isinstance(value, Mapping):
         raise Exl3FormatError(f"{where}: {value!r}, expected {{'codebook': ..., 'layers': {{prefix: {{'bits': K}}}}}}")
-    unknown = sorted(set(value) - NON_ROUTED_EXL3_KEYS)
-    if unknown:
-        raise Exl3FormatError(
-            f"{where}.{unknown[0]}: not supported (known: {sorted(NON_ROUTED_EXL3_KEYS)}; the short form "
-            f"'modules' is not read, list each module under 'layers')"
-        )
+    refuse_unknown(value, NON_ROUTED_EXL3_KEYS, where, Exl3FormatError, "not supported",
+                   "; the short form 'modules' is not read, list each module under 'layers'")
     codebook = None
     if value.get("codebook") is not None:
         try:
@@ -123,11 +120,8 @@ def _non_routed_exl3(value: Any) -> tuple[Codebook | None, dict[str, float]]:
     for prefix, entry in layers.items():
         if not isinstance(entry, Mapping) or "bits" not in entry:
             raise Exl3FormatError(f"{where}.layers.{prefix}: {entry!r}, expected {{'bits': K}}")
-        extra = sorted(set(entry) - NON_ROUTED_EXL3_LAYER_KEYS)
-        if extra:
-            raise Exl3FormatError(
-                f"{where}.layers.{prefix}.{extra[0]}: not supported (a module is EXL3 in every shard)"
-            )
+        refuse_unknown(entry, NON_ROUTED_EXL3_LAYER_KEYS, f"{where}.layers.{prefix}", Exl3FormatError,
+                       "not supported", "; a module is EXL3 in every shard")
         out[str(prefix)] = _k(entry["bits"], f"non_routed_exl3.layers.{prefix}.bits")
     return codebook, out
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 from .checkpoint import split_name
 from .contract import KEY, MixedContract
-from .convert import HEADS, LINEAR_LEAVES
 from .deepseek_v4 import ARCHITECTURE as V4_ARCHITECTURE
 from .deepseek_v4 import BUILT_UNQUANTIZED, V41_ARCHITECTURE, V41_WHY, v41_part
 from .errors import Exl3FormatError
-from .naming import MoeLayout
+from .naming import HEADS, LINEAR_LEAVES, MoeLayout
 from .tensors import Exl3Linear
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")

@@ -24,34 +24,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from . import deepseek_v4 as dsv4
 from .bitrate import HALF_K, INTEGER_K, check_k_codebook
 from .checkpoint import Exl3Checkpoint, split_name
 from .codebook import Codebook, codebook_table
 from .config import UNQUANTIZED_HEAD_BITS, quant_config_dict
 from .contract import BF16_AS_STORED
-from . import deepseek_v4 as dsv4
 from .decode import dequantize
 from .errors import Exl3FormatError
-from .naming import SUPPORTED_ARCHITECTURES, moe_layout
+from .naming import HEAD, HEADS, LINEAR_LEAVES, SUPPORTED_ARCHITECTURES, moe_layout
 from .tensors import Exl3Linear, padded
 
 # Our tensors follow exllamav3 1.6.5's layout bit for bit, so that is the format version we record.
 EXL3_FORMAT_VERSION = "1.6.5"
 DEFAULT_HEAD_BITS = 6  # exllamav3's default
 WEIGHTS_FILE = "model.safetensors"
-HEAD = "lm_head"
 EMBEDDING = "model.embed_tokens"
-HEADS = (HEAD, dsv4.HEAD)  # the output head's module name: HF naming, DeepSeek-V4's native naming
-# Module names (last path component) of the linears exllamav3 gives a qmap, for every supported architecture.
-LINEAR_LEAVES = frozenset(
-    {
-        "q_proj", "k_proj", "v_proj", "o_proj",  # attention
-        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # DeepSeek MLA
-        "gate_proj", "up_proj", "down_proj",  # dense MLP, shared and routed experts
-        "w1", "w2", "w3",  # Mixtral and DeepSeek-V4 experts (gate, down, up)
-        "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj",  # DeepSeek-V4 attention, compressors
-    }
-)
 # Unquantized tensors are stored as fp16, except these: DeepSeek's routing bias must keep its resolution
 # (exllamav3 loads it in checkpoint precision; fp16 steps would swamp the gaps between expert scores).
 # DeepSeek-V4's routing bias (`gate.bias`), attention sinks, compressor position biases (`ape`) and the

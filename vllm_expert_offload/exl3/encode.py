@@ -3,7 +3,7 @@
 This is exllamav3's `fallback_quant` path (exl3-format.md §3.2): correct bits for every kernel, but a higher
 Hessian-weighted error than LDLQ, so it serves test models and fixtures, not production checkpoints.
 Everything runs on the CPU; the Viterbi search, about O(256 * 2^16) per tile and pass whatever K, runs in the
-compiled extension (csrc/exl3_viterbi.inc) when it builds, else in torch here. Both give the same states bit for
+compiled extension (vllm_expert_offload/csrc/exl3_viterbi.inc) when it builds, else in torch here. Both give the same states bit for
 bit where torch.addcmul is a fused multiply-add (its AVX2/AVX-512 kernels); at torch's CPU capability DEFAULT it
 rounds twice, so the torch states differ there, while the compiled encoder's are the same on every CPU.
 """
@@ -19,6 +19,7 @@ from functools import cache, lru_cache
 
 import torch
 
+from ..errors import ExpertOffloadError
 from .bitrate import HALF_K, INTEGER_K, POSITIONS, check_k_codebook, position_bits
 from .codebook import Codebook, codebook_table
 from .errors import Exl3FormatError
@@ -32,6 +33,16 @@ logger = logging.getLogger("vllm.expert_offload")
 # "compiled" (refuse without the extension), "torch" (tests compare the two), or unset/"auto": compiled if built.
 VITERBI_ENV = "VLLM_EXPERT_OFFLOAD_VITERBI"
 VITERBI_BACKENDS = ("auto", "compiled", "torch")
+# (targets, int32 position bits, fp32 codebook values) -> states: a compiled search, of the same contract as the
+# torch one here. The format layer owns the table; the compiled CPU kernels (kernels/cpu_exl3.py, a layer above)
+# register theirs when imported, the loader raising an ExpertOffloadError saying why it cannot run.
+ViterbiSearch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_COMPILED_VITERBI: dict[str, Callable[[], ViterbiSearch]] = {}
+
+
+def register_compiled_viterbi(name: str, load: Callable[[], ViterbiSearch]) -> None:
+    """Offer a compiled Viterbi to the encoder; `load()` returns it or raises ExpertOffloadError with the reason."""
+    _COMPILED_VITERBI[name] = load
 STATE_BITS = 16
 NUM_STATES = 1 << STATE_BITS
 # Rows are first normalised to this RMS (3INST's table std, exllamav3's convention), then multiplied by g.
@@ -114,9 +125,7 @@ def encode_tiles(
     return out
 
 
-def compiled_viterbi(
-    viterbi: str | None = None,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+def compiled_viterbi(viterbi: str | None = None) -> ViterbiSearch | None:
     """The compiled Viterbi (targets, int32 position bits, fp32 codebook values) -> states, or None when the
     torch one must run, logged once per reason: the extension needs a compiler, and a silent 20x slowdown of
     `quantize` would look like a hang. `viterbi` None reads VITERBI_ENV."""
@@ -127,15 +136,17 @@ def compiled_viterbi(
     if choice == "torch":
         _log_torch_encoder(source)
         return None
-    from ..kernels.cpu_exl3 import CpuKernelUnavailable, extension
-
-    try:
-        return extension().exl3_viterbi_cpu
-    except CpuKernelUnavailable as exc:
-        if choice == "compiled":
-            raise CpuKernelUnavailable(f"{source}, but the compiled encoder is not available: {exc}") from exc
-        _log_torch_encoder(f"the compiled encoder is unavailable: {exc}")
-        return None
+    reasons = []
+    for name, load in _COMPILED_VITERBI.items():
+        try:
+            return load()
+        except ExpertOffloadError as exc:
+            reasons.append(f"{name}: {exc}")
+    why = "; ".join(reasons) or "none is registered (importing vllm_expert_offload.kernels.cpu_exl3 registers it)"
+    if choice == "compiled":
+        raise Exl3FormatError(f"{source}, but the compiled encoder is not available: {why}")
+    _log_torch_encoder(f"the compiled encoder is unavailable: {why}")
+    return None
 
 
 @cache

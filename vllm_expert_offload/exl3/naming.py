@@ -7,9 +7,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .deepseek_v4 import HEAD as DSV4_HEAD
 from .errors import Exl3FormatError
 
 PROJECTIONS = ("gate", "up", "down")
+HEAD = "lm_head"
+HEADS = (HEAD, DSV4_HEAD)  # the output head's module name: HF naming, DeepSeek-V4's native naming
+# Module names (last path component) of the linears exllamav3 gives a qmap, for every supported architecture.
+LINEAR_LEAVES = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "o_proj",  # attention
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # DeepSeek MLA
+        "gate_proj", "up_proj", "down_proj",  # dense MLP, shared and routed experts
+        "w1", "w2", "w3",  # Mixtral and DeepSeek-V4 experts (gate, down, up)
+        "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj",  # DeepSeek-V4 attention, compressors
+    }
+)
 
 
 @dataclass(frozen=True)

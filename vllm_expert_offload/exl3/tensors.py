@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import refuse_unknown
 from .bitrate import check_k_codebook, k_from_trellis_width
 from .codebook import Codebook
 from .errors import Exl3FormatError
@@ -114,9 +115,7 @@ def parse_linear(
 ) -> Exl3Linear:
     """Validate one layer's suffix -> tensor map; in/out_features (unpadded, as the model declares them) are checked
     against the trellis after padding to 128."""
-    unknown = sorted(set(tensors) - KNOWN_SUFFIXES)
-    if unknown:
-        raise Exl3FormatError(f"{name}.{unknown[0]}: unexpected tensor in an EXL3 layer (known: {sorted(KNOWN_SUFFIXES)})")
+    refuse_unknown(tensors, KNOWN_SUFFIXES, name, Exl3FormatError, "unexpected tensor in an EXL3 layer")
     if "trellis" not in tensors:
         raise Exl3FormatError(f"{name}.trellis: missing")
     trellis = tensors["trellis"]

@@ -14,12 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import ExpertOffloadError
 from .versions import VERIFIED_VLLM, refusal
 
 SENTINEL = "__vllm_expert_offload_hook__"
 
 
-class HookError(RuntimeError):
+class HookError(ExpertOffloadError, RuntimeError):
     """A hook's target is not what it was checked against: an older vLLM, a missing or changed function."""
 
 
@@ -59,6 +60,8 @@ class Hook:
         require_checked_version(self.target, vllm_version)
 
     def _owner(self) -> object | None:
+        if not self.module.startswith("vllm."):
+            raise HookError(f"{self.target}: hooks patch vLLM's own modules only")
         if self.loaded_only:
             module = sys.modules.get(self.module)
             if module is None:

@@ -16,6 +16,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from ..errors import ExpertOffloadError
+
 VERIFIED_VLLM = ("0.32", "0.33")
 OVERRIDE_ENV = "VLLM_EXPERT_OFFLOAD_ALLOW_UNVERIFIED_VLLM"
 
@@ -23,7 +25,7 @@ logger = logging.getLogger("vllm.expert_offload")
 _warned: set[str] = set()
 
 
-class VLLMVersionError(RuntimeError):
+class VLLMVersionError(ExpertOffloadError, RuntimeError):
     """This vLLM is older than every verified series."""
 
 

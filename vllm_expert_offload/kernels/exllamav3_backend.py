@@ -35,11 +35,13 @@ import torch.nn.functional as F
 from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
+from ..offload.phase import profiling
+from ..offload.tiers import PlacedExpert
+from .contract import Backend, ExpertCrop
 from .linear import LinearShard
 from .matrix_table import MatrixTable
-from .pointer_tables import PARTS, PlacedExpert, PointerTables
+from .pointer_tables import PARTS, PointerTables
 from .rotated import RotatedLinear
-from .table_moe import ExpertCrop
 
 VERSION = "1.6.5"  # the exllamav3 release SIGNATURES was read from
 TENSOR, OPTIONAL_TENSOR, INT, FLOAT, BOOL = "tensor", "optional tensor", "int", "float", "bool"
@@ -174,22 +176,6 @@ def one_stream(device: torch.device) -> Iterator[None]:
     caller.wait_stream(stream)
 
 
-def capture_sizes() -> tuple[int, ...]:
-    """The batch sizes vLLM will capture CUDA graphs for (none outside a vLLM config, e.g. in tests)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # the kernels used outside vLLM (benchmarks): nothing will be captured
-        return ()
-    config = get_current_vllm_config_or_none()
-    return () if config is None else tuple(sorted(set(config.compilation_config.cudagraph_capture_sizes or ())))
-
-
-def _profiling() -> bool:
-    from ..integration.startup.profiling import profiling
-
-    return profiling()
-
-
 @dataclass
 class _CoopScratch:
     """exl3_moe_coop's buffers for one top-k, fixed in size so the counter layout never moves between calls
@@ -276,7 +262,7 @@ class Exllamav3MoE:
         else:
             out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
                              for s in range(0, tokens, MOE_ROWS)])
-        if _profiling() and not self.warm:
+        if profiling() and not self.warm:
             self.warm_up(top_k)
         return out[:, : self.hidden].to(x.dtype)
 
@@ -350,11 +336,12 @@ class Exllamav3Linear(RotatedLinear):
     """Dense EXL3 linears through `exl3_gemm`: the shared shard handling and custom op of RotatedLinear, with the
     product (rotations included) done by exllamav3."""
 
-    def __init__(self, shards: Sequence[LinearShard], device: torch.device, ext: ModuleType | None = None) -> None:
+    def __init__(self, shards: Sequence[LinearShard], device: torch.device, capture_rows: Sequence[int] = (),
+                 ext: ModuleType | None = None) -> None:
         super().__init__(shards, device, backend=None)  # shard_product below replaces the launcher
         self.ext = ext if ext is not None else load_ext()
         self.device = device
-        self.capture_rows = capture_sizes()  # read at load, where vLLM's config is current
+        self.capture_rows = tuple(capture_rows)  # the batch sizes vLLM will capture CUDA graphs for
         self.warm = False
 
     def shard_product(self, cover: torch.Tensor, shard: LinearShard, table: MatrixTable) -> torch.Tensor:
@@ -367,14 +354,23 @@ class Exllamav3Linear(RotatedLinear):
                      mul1=layer.codebook == Codebook.MUL1, force_num_sms=0)
         return out
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        if _profiling() and not self.warm:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if profiling() and not self.warm:
             self.warm_up(self.capture_rows)
-        return super().compute(x)
+        return super().forward(x)
 
     def warm_up(self, row_counts: Sequence[int]) -> None:
         """Autotune exl3_gemm for every row count vLLM will capture (it tunes per shape, with stream
         synchronisation that graph capture forbids). Called during vLLM's profile run."""
         self.warm = True
         for rows in row_counts:
-            super().compute(torch.zeros(rows, self.shards[0].in_size, dtype=torch.float16, device=self.device))
+            super().forward(torch.zeros(rows, self.shards[0].in_size, dtype=torch.float16, device=self.device))
+
+
+BACKEND = Backend(
+    name="exllamav3", description="exllamav3's CUDA kernels", auto_on=("cuda",), graph_safe=True,
+    unavailable=exllamav3_unavailable,
+    build_moe=lambda layer: Exllamav3MoE(layer.experts, layer.tables, layer.arena, layer.crop, layer.device),
+    moe_refusal=lambda layer: moe_refusal(layer.experts, layer.crop, layer.swiglu_limit),
+    build_linear=lambda layer: Exllamav3Linear(layer.shards, layer.device, layer.capture_rows),
+)

@@ -47,7 +47,8 @@ class DequantizedLinear:
             w = w[s.out_offset : s.out_offset + s.out_valid, s.in_offset : s.in_offset + s.in_size]
             weights.append(F.pad(w, (0, 0, 0, s.out_rows - s.out_valid)))
         self.weight = torch.cat(weights).to(device, dtype)
+        self.out_features = self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 

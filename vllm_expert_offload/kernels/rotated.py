@@ -10,14 +10,12 @@ layer's pointer tables (VRAM and host-arena addresses in the same launch). The g
 whose shapes depend on the batch shape alone: no host synchronisation, so vLLM can capture the forward in a
 CUDA graph. The per-token sum runs over the slots in their fixed order, so results are deterministic.
 
-Dense linears: the forward is a registered torch custom op, so vLLM's torch.compile sees one opaque call
-instead of tracing into launches over raw pointers; the op finds its kernel by a registry index.
+Dense linears: each of the layer's shards through the launcher, cropped and concatenated. (What torch.compile
+sees of either is one opaque op per layer: kernels/ops.py.)
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +25,13 @@ import torch.nn.functional as F
 from ..exl3.hadamard import hadamard_last
 from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
+from ..offload.tiers import PlacedExpert
 from .activation import silu_and_mul
+from .contract import ExpertCrop, LinearLayer, MoELayer
 from .expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from .linear import LinearShard
 from .matrix_table import MatrixTable, matrix_table, own_addresses
-from .pointer_tables import PlacedExpert, PointerTables, ScaleStacks
-from .table_moe import ExpertCrop
+from .pointer_tables import PointerTables, ScaleStacks
 
 
 @dataclass(frozen=True)
@@ -121,15 +120,15 @@ class RotatedLinear:
         self.backend = backend
         self.shards = [shard.to(device) for shard in shards]
         self.tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
-        self.kernel_id = _register(self)
+        self.out_features = sum(s.out_rows for s in self.shards)
 
     def shard_product(self, cover: torch.Tensor, shard: LinearShard, table: MatrixTable) -> torch.Tensor:
         """cover @ W of one shard, in fp32 (the part a backend with its own dense kernel replaces)."""
         blocks = single_matrix_blocks(cover.shape[0], self.backend.block_m, cover.device)
         return exl3_matmul(cover, shard.layer.suh, shard.layer.svh, *blocks, table, self.backend, cover.dtype)
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward itself (what the custom op runs)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W of every shard, concatenated, without bias."""
         rows = x.reshape(-1, x.shape[-1])
         outputs = []
         for shard, table in zip(self.shards, self.tables):
@@ -138,31 +137,11 @@ class RotatedLinear:
             outputs.append(F.pad(y, (0, shard.out_rows - shard.out_valid)))
         return torch.cat(outputs, dim=-1).to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.vllm_expert_offload.exl3_linear(x, self.kernel_id)
-        return y if bias is None else y + bias
 
-    @property
-    def out_features(self) -> int:
-        return sum(s.out_rows for s in self.shards)
+def rotated_moe(layer: MoELayer, backend: MatmulBackend) -> RotatedMoE:
+    return RotatedMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.device, backend,
+                      layer.swiglu_limit)
 
 
-# Weak: a layer owns its kernel, the registry only finds it, so dropped models free their trellises.
-_KERNELS: weakref.WeakValueDictionary[int, RotatedLinear] = weakref.WeakValueDictionary()
-_NEXT_ID = itertools.count()
-
-
-def _register(kernel: RotatedLinear) -> int:
-    kernel_id = next(_NEXT_ID)
-    _KERNELS[kernel_id] = kernel
-    return kernel_id
-
-
-@torch.library.custom_op("vllm_expert_offload::exl3_linear", mutates_args=())
-def _exl3_linear_op(x: torch.Tensor, kernel_id: int) -> torch.Tensor:
-    return _KERNELS[kernel_id].compute(x)
-
-
-@_exl3_linear_op.register_fake
-def _(x: torch.Tensor, kernel_id: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _KERNELS[kernel_id].out_features)
+def rotated_linear(layer: LinearLayer, backend: MatmulBackend) -> RotatedLinear:
+    return RotatedLinear(layer.shards, layer.device, backend)

@@ -10,25 +10,19 @@ decoded: that would hold dense weights in exactly the memory placement is meant 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from .activation import silu_and_mul
 from ..exl3.decode import dequantize
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
-from .pointer_tables import PlacedExpert, PointerTables, gpu_tier_registry, read_trellis
-
-
-@dataclass
-class ExpertCrop:
-    """Where this rank's intermediate channels sit inside each placed (128-aligned) projection."""
-
-    hidden: int
-    intermediate: int
-    offset: int
+from ..offload.tiers import PlacedExpert
+from .activation import silu_and_mul
+from .contract import Backend, ExpertCrop, LinearLayer, MoELayer
+from .linear import DequantizedLinear
+from .pointer_tables import PointerTables, gpu_tier_registry, read_trellis
 
 
 class TableMoE:
@@ -89,3 +83,17 @@ class TableMoE:
             ye = F.linear(silu_and_mul(gate, up, self.swiglu_limit), w2)
             out.index_add_(0, tokens, ye if apply_router_weight_on_input else ye * route)
         return out
+
+
+def _table_moe(layer: MoELayer) -> TableMoE:
+    return TableMoE(layer.experts, layer.tables, layer.arena, layer.crop, layer.dtype, layer.device, layer.swiglu_limit)
+
+
+def _dequantized(layer: LinearLayer) -> DequantizedLinear:
+    return DequantizedLinear(layer.shards, layer.dtype, layer.device)
+
+
+BACKEND = Backend(
+    name="torch", description="the torch reference", auto_on=("cpu", "cuda"), graph_safe=False,
+    unavailable=lambda device: None, build_moe=_table_moe, build_linear=_dequantized,
+)

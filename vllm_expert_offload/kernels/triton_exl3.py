@@ -20,12 +20,15 @@ K and the codebook come per matrix from small tables, so experts of one launch m
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from .contract import Backend
 from .matrix_table import MatrixTable
-from .rotated import MatmulBackend
+from .rotated import MatmulBackend, rotated_linear, rotated_moe
 
 
 @triton.jit
@@ -150,3 +153,23 @@ def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 TRITON_MATMUL = MatmulBackend("triton", launch_exl3_matmul, block_m=BLOCK_M, per_slot_max_tokens=8,
                               dot_dtype=dot_dtype_for)
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """None when Triton can run kernels on `device`, else why not (this module imports only where triton does)."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton runs on CPU tensors only in its interpreter, and TRITON_INTERPRET=1 is not set"
+    if device.type not in ("cpu", "cuda"):
+        return f"no Triton backend for device type {device.type!r}"
+    try:
+        import triton  # noqa: F401  (imported above once; a test may have made it unimportable since)
+    except ImportError as exc:
+        return f"triton does not import ({exc})"
+    return None
+
+
+BACKEND = Backend(
+    name="triton", description="the Triton kernels", auto_on=("cuda",), graph_safe=True, unavailable=triton_unavailable,
+    build_moe=lambda layer: rotated_moe(layer, TRITON_MATMUL),
+    build_linear=lambda layer: rotated_linear(layer, TRITON_MATMUL),
+)

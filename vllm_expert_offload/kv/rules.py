@@ -14,11 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..errors import ExpertOffloadError
+
 # Candidate sizes beyond the requested one and the backends' own: powers of two up to this many tokens.
 LARGEST_CANDIDATE = 4096
 
 
-class KVBlockLayoutError(ValueError):
+class KVBlockLayoutError(ExpertOffloadError, ValueError):
     """No block size lets a KV-cache group's backends read whole pages; raised at startup, naming the group,
     its backends and the sizes that would work, instead of a ZeroDivisionError or a kernel fault later."""
 

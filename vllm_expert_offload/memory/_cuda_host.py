@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ExpertOffloadError
+
 CUDA_HOST_REGISTER_PORTABLE = 0x01  # the mapping is valid in every CUDA context, not just the current one
 CUDA_HOST_REGISTER_MAPPED = 0x02  # the range gets a device alias that kernels can dereference (zero-copy)
 
 
-class CudaError(RuntimeError):
+class CudaError(ExpertOffloadError, RuntimeError):
     """A CUDA runtime call failed; the message names the call and its cudaError code."""
 
 

@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from ..errors import ExpertOffloadError
 from . import _cuda_host
 from .topology import format_cpulist, node_free_bytes, online_numa_nodes
 
@@ -48,7 +49,7 @@ SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259, "s390x": 235}
 _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 
 
-class ArenaFullError(MemoryError):
+class ArenaFullError(ExpertOffloadError, MemoryError):
     """A reservation does not fit in the arena's remaining capacity."""
 
 

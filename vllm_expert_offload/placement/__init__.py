@@ -6,9 +6,15 @@ numpy only (no torch, no vLLM), so plans can be made, inspected and tested on an
 from __future__ import annotations
 
 from .cost import (
-    DecodeCostModel, StepBound, batch_read_probability, expected_layer_bytes, step_bound, trace_layer_bytes,
+    DecodeCostModel,
+    StepBound,
+    batch_read_probability,
+    expected_layer_bytes,
+    step_bound,
+    trace_layer_bytes,
 )
 from .datasets import UnsupportedRoutingFile, load_routing_dataset
+from .errors import PlacementError
 from .ledger import ARENA_ALIGNMENT, Ledger, LedgerRow
 from .planfile import PLAN_FORMAT, PLAN_VERSION, ModelIdentity, load_plan, read_plan, save_plan
 from .planner import plan_placement
@@ -22,6 +28,7 @@ __all__ = [
     "ModelIdentity",
     "PLAN_FORMAT",
     "PLAN_VERSION",
+    "PlacementError",
     "RoutingCounts",
     "RoutingTrace",
     "SegmentedCounts",

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import PlacementError
+
 
 @dataclass(frozen=True)
 class DecodeCostModel:
@@ -38,11 +40,11 @@ class DecodeCostModel:
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise PlacementError(f"top_k must be >= 1, got {self.top_k}")
         if self.link_bytes_per_s <= 0 or self.gpu_bytes_per_s <= 0:
-            raise ValueError("link_bytes_per_s and gpu_bytes_per_s must be > 0")
+            raise PlacementError("link_bytes_per_s and gpu_bytes_per_s must be > 0")
         if self.dense_bytes_per_layer < 0:
-            raise ValueError(f"dense_bytes_per_layer must be >= 0, got {self.dense_bytes_per_layer}")
+            raise PlacementError(f"dense_bytes_per_layer must be >= 0, got {self.dense_bytes_per_layer}")
 
     def layer_seconds(self, gpu_bytes: np.ndarray | float, host_bytes: np.ndarray | float) -> np.ndarray | float:
         """t(l) for routed bytes read per layer from each tier (floats, or arrays that broadcast)."""
@@ -64,7 +66,7 @@ def batch_read_probability(selections_per_token: np.ndarray, concurrency: int) -
     tokens are assumed to route independently (the same shape as `selections_per_token`, values in [0, 1]).
     """
     if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        raise PlacementError(f"concurrency must be >= 1, got {concurrency}")
     p = np.clip(np.asarray(selections_per_token, dtype=np.float64), 0.0, 1.0)
     return 1.0 - (1.0 - p) ** concurrency
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import PlacementError
 from .stats import RoutingCounts, RoutingTrace, SegmentedCounts
 
 RoutingData = RoutingCounts | SegmentedCounts | RoutingTrace
@@ -30,7 +31,7 @@ RoutingData = RoutingCounts | SegmentedCounts | RoutingTrace
 FREQUENCY_TOKENS = 1_000_000
 
 
-class UnsupportedRoutingFile(ValueError):
+class UnsupportedRoutingFile(PlacementError):
     """The file holds no per-layer, per-expert routing data this module can read."""
 
 
@@ -97,7 +98,7 @@ def _trace_csv(rows: list[list[str]], column: int, path: Path, num_experts: int 
         per_layer.setdefault(int(row[0]), []).append(json.loads(row[column]))
     lengths = {len(v) for v in per_layer.values()}
     if len(lengths) != 1:
-        raise ValueError(f"{path}: layers have different token counts {sorted(lengths)}")
+        raise PlacementError(f"{path}: layers have different token counts {sorted(lengths)}")
     layers = sorted(per_layer)
     ids = np.stack([np.asarray(per_layer[layer], dtype=np.int64) for layer in layers], axis=1)
     offsets = np.array([0, ids.shape[0]])
@@ -172,7 +173,7 @@ def _experts(ids: np.ndarray, num_experts: int | None) -> int:
 def _whole(counts: np.ndarray, path: Path) -> np.ndarray:
     """Counts stored as floats (moe-interp) must still be whole numbers."""
     if (counts != np.round(counts)).any():
-        raise ValueError(f"{path}: 'counts' are not whole numbers")
+        raise PlacementError(f"{path}: 'counts' are not whole numbers")
     return counts.astype(np.int64)
 
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..units import GIB
 from ._validate import as_byte_count, as_matrix
+from .errors import PlacementError
 
 ARENA_ALIGNMENT = 4096
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ class Ledger:
         sizes = as_matrix("expert_bytes", expert_bytes, integer=True)
         plan = np.asarray(plan)
         if plan.dtype != bool or plan.shape != sizes.shape:
-            raise ValueError(f"plan must be a bool mask of shape {sizes.shape}, got {plan.dtype} {plan.shape}")
+            raise PlacementError(f"plan must be a bool mask of shape {sizes.shape}, got {plan.dtype} {plan.shape}")
         if alignment < 1:
-            raise ValueError(f"alignment must be >= 1, got {alignment}")
+            raise PlacementError(f"alignment must be >= 1, got {alignment}")
         on_gpu, on_host = sizes[plan], sizes[~plan]
         padded = -(-on_host // alignment) * alignment
         return cls(
@@ -130,13 +131,13 @@ class Ledger:
                 "reduce the KV cache, workspace or headroom, or add GPUs"
             )
         table = self.format_table(capacity_bytes, margin_fraction)
-        raise ValueError(f"placement does not fit the device: {advice}\n{table}")
+        raise PlacementError(f"placement does not fit the device: {advice}\n{table}")
 
 
 def _usable(capacity_bytes: int, margin_fraction: float) -> int:
     capacity = as_byte_count("capacity_bytes", capacity_bytes)
     if not 0.0 <= margin_fraction < 1.0:
-        raise ValueError(f"margin_fraction must be in [0, 1), got {margin_fraction}")
+        raise PlacementError(f"margin_fraction must be in [0, 1), got {margin_fraction}")
     return int(capacity * (1.0 - margin_fraction))
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import __version__
 from ._validate import as_matrix, read_versioned_json
+from .errors import PlacementError
 
 PLAN_FORMAT = "vllm-expert-offload/plan"
 PLAN_VERSION = 1
@@ -57,11 +58,11 @@ class ModelIdentity:
         sizes = as_matrix("expert_bytes", expert_bytes, integer=True)
         moe_layers = tuple(int(layer) for layer in moe_layers)
         if sizes.shape[0] != len(moe_layers):
-            raise ValueError(f"expert_bytes has {sizes.shape[0]} rows but moe_layers lists {len(moe_layers)} layers")
+            raise PlacementError(f"expert_bytes has {sizes.shape[0]} rows but moe_layers lists {len(moe_layers)} layers")
         if len(set(moe_layers)) != len(moe_layers) or not all(0 <= layer < num_layers for layer in moe_layers):
-            raise ValueError(f"moe_layers must be distinct layer indices in [0, {num_layers}), got {list(moe_layers)}")
+            raise PlacementError(f"moe_layers must be distinct layer indices in [0, {num_layers}), got {list(moe_layers)}")
         if tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+            raise PlacementError(f"tp_size must be >= 1, got {tp_size}")
         checksum = expert_bytes_checksum(sizes)
         return cls(architecture, int(num_layers), sizes.shape[1], moe_layers, int(tp_size), checksum)
 
@@ -71,13 +72,13 @@ class ModelIdentity:
     @classmethod
     def from_json(cls, data: object, where: str) -> ModelIdentity:
         if not isinstance(data, dict):
-            raise ValueError(f"{where}: 'model' must be an object")
+            raise PlacementError(f"{where}: 'model' must be an object")
         fields = [f.name for f in dataclasses.fields(cls)]
         missing = [name for name in fields if name not in data]
         if missing:
-            raise ValueError(f"{where}: 'model' lacks {', '.join(missing)}")
+            raise PlacementError(f"{where}: 'model' lacks {', '.join(missing)}")
         if not isinstance(data["moe_layers"], list):
-            raise ValueError(f"{where}: model.moe_layers must be a list of layer indices")
+            raise PlacementError(f"{where}: model.moe_layers must be a list of layer indices")
         return cls(**{name: data[name] for name in fields} | {"moe_layers": tuple(data["moe_layers"])})
 
     def first_difference(self, other: ModelIdentity, fields: Sequence[str] | None = None) -> str | None:
@@ -107,7 +108,7 @@ def save_plan(
     """Write `plan` (bool [moe layers, experts], True = GPU) for `identity`."""
     plan = np.asarray(plan)
     if plan.dtype != bool or plan.shape != (len(identity.moe_layers), identity.num_experts):
-        raise ValueError(
+        raise PlacementError(
             f"plan must be a bool [{len(identity.moe_layers)}, {identity.num_experts}] mask for this model, "
             f"got {plan.dtype} {plan.shape}"
         )
@@ -129,7 +130,7 @@ def load_plan(path: str | Path, expected: ModelIdentity) -> np.ndarray:
     plan, identity = read_plan(path)
     difference = identity.first_difference(expected)
     if difference:
-        raise ValueError(f"plan file {path} was made for another model: {difference}")
+        raise PlacementError(f"plan file {path} was made for another model: {difference}")
     return plan
 
 
@@ -143,12 +144,12 @@ def read_plan(path: str | Path) -> tuple[np.ndarray, ModelIdentity]:
 
 def _gpu_mask(entries: object, identity: ModelIdentity, where: str) -> np.ndarray:
     if not isinstance(entries, dict):
-        raise ValueError(f"{where}: 'gpu_experts' must be an object mapping layer index -> expert ids")
+        raise PlacementError(f"{where}: 'gpu_experts' must be an object mapping layer index -> expert ids")
     expected_keys = [str(layer) for layer in identity.moe_layers]
     unknown = sorted(set(entries) - set(expected_keys))
     missing = [key for key in expected_keys if key not in entries]
     if unknown or missing:
-        raise ValueError(
+        raise PlacementError(
             f"{where}: 'gpu_experts' must list exactly the MoE layers {identity.moe_layers} "
             f"(unknown: {unknown}, missing: {missing}; use [] for a layer with all experts on host)"
         )
@@ -156,13 +157,13 @@ def _gpu_mask(entries: object, identity: ModelIdentity, where: str) -> np.ndarra
     for row, key in enumerate(expected_keys):
         ids = entries[key]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"{where}: gpu_experts[{key!r}] must be a list of integer expert ids")
+            raise PlacementError(f"{where}: gpu_experts[{key!r}] must be a list of integer expert ids")
         bad = [i for i in ids if not 0 <= i < identity.num_experts]
         if bad:
-            raise ValueError(f"{where}: gpu_experts[{key!r}] has expert ids {bad} outside [0, {identity.num_experts})")
+            raise PlacementError(f"{where}: gpu_experts[{key!r}] has expert ids {bad} outside [0, {identity.num_experts})")
         if len(set(ids)) != len(ids):
             duplicates = sorted({i for i in ids if ids.count(i) > 1})
-            raise ValueError(f"{where}: gpu_experts[{key!r}] lists expert ids {duplicates} more than once")
+            raise PlacementError(f"{where}: gpu_experts[{key!r}] lists expert ids {duplicates} more than once")
         plan[row, ids] = True
     return plan
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from ._validate import as_byte_count, as_matrix
 from .cost import DecodeCostModel
+from .errors import PlacementError
 
 FRONTIER_LIMIT = 1 << 22  # candidate (state, n) pairs per merge step of the exact solver
 
@@ -65,12 +66,12 @@ def plan_placement(
     budget = as_byte_count("gpu_budget_bytes", gpu_budget_bytes, round_down=True)
     if routing_counts is None:
         if balance_layers is not None:
-            raise ValueError("balance_layers needs routing_counts: balancing weighs each layer's expected host reads")
+            raise PlacementError("balance_layers needs routing_counts: balancing weighs each layer's expected host reads")
         counts = np.ones(sizes.shape)
     else:
         counts = as_matrix("routing_counts", routing_counts, integer=False)
         if counts.shape != sizes.shape:
-            raise ValueError(f"routing_counts has shape {counts.shape} but expert_bytes has {sizes.shape}")
+            raise PlacementError(f"routing_counts has shape {counts.shape} but expert_bytes has {sizes.shape}")
     key = _tie_key(sizes.shape)
     if balance_layers is None:
         return _knapsack(sizes.ravel(), counts.ravel(), key, budget).reshape(sizes.shape)

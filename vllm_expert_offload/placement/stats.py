@@ -20,6 +20,7 @@ import numpy as np
 
 from ._atomic import write_atomically
 from ._validate import read_versioned_json
+from .errors import PlacementError
 from .planfile import ModelIdentity
 
 COUNTS_FORMAT = "vllm-expert-offload/routing-counts"
@@ -35,11 +36,11 @@ def _is_number(value: object, kind: type) -> bool:
 def _coverage(tokens: object, interval: object) -> tuple[int | None, tuple[float, float] | None]:
     """Checked (tokens, interval): a whole number >= 0 and (start, end) unix seconds with start <= end, or None."""
     if tokens is not None and not (_is_number(tokens, numbers.Integral) and tokens >= 0):
-        raise ValueError(f"tokens must be a whole number >= 0, got {tokens!r}")
+        raise PlacementError(f"tokens must be a whole number >= 0, got {tokens!r}")
     if interval is not None:
         pair = isinstance(interval, (tuple, list)) and len(interval) == 2
         if not (pair and all(_is_number(t, numbers.Real) for t in interval) and interval[0] <= interval[1]):
-            raise ValueError(f"interval must be (start, end) in unix seconds with start <= end, got {interval!r}")
+            raise PlacementError(f"interval must be (start, end) in unix seconds with start <= end, got {interval!r}")
         interval = (float(interval[0]), float(interval[1]))
     return (None if tokens is None else int(tokens)), interval
 
@@ -56,15 +57,15 @@ class RoutingCounts:
     def __post_init__(self) -> None:
         self.counts = np.asarray(self.counts)
         if self.counts.ndim != 2 or self.counts.dtype.kind not in "iu":
-            raise ValueError(f"counts must be an integer [layers, experts] array, got {self.counts.dtype} "
+            raise PlacementError(f"counts must be an integer [layers, experts] array, got {self.counts.dtype} "
                              f"{self.counts.shape}")
         self.counts = self.counts.astype(np.int64)
         self.moe_layers = tuple(int(layer) for layer in self.moe_layers)
         if len(self.moe_layers) != self.counts.shape[0] or len(set(self.moe_layers)) != len(self.moe_layers):
-            raise ValueError(f"moe_layers {self.moe_layers} must name each of the {self.counts.shape[0]} rows once")
+            raise PlacementError(f"moe_layers {self.moe_layers} must name each of the {self.counts.shape[0]} rows once")
         geometry = (self.moe_layers, self.num_experts)
         if self.model is not None and (self.model.moe_layers, self.model.num_experts) != geometry:
-            raise ValueError("model identity does not match counts' moe_layers / number of experts")
+            raise PlacementError("model identity does not match counts' moe_layers / number of experts")
         self.tokens, self.interval = _coverage(self.tokens, self.interval)
         self._rows = {layer: row for row, layer in enumerate(self.moe_layers)}
 
@@ -79,10 +80,10 @@ class RoutingCounts:
     def add(self, layer: int, topk_ids: object) -> None:
         """Count the expert ids selected in model layer `layer` (any shape, e.g. router top-k [tokens, k])."""
         if layer not in self._rows:
-            raise ValueError(f"layer {layer} is not one of the MoE layers {self.moe_layers}")
+            raise PlacementError(f"layer {layer} is not one of the MoE layers {self.moe_layers}")
         ids = np.asarray(topk_ids).ravel()
         if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.num_experts):
-            raise ValueError(f"topk_ids must be integer expert ids in [0, {self.num_experts})")
+            raise PlacementError(f"topk_ids must be integer expert ids in [0, {self.num_experts})")
         self.counts[self._rows[layer]] += np.bincount(ids, minlength=self.num_experts)
 
     @classmethod
@@ -91,18 +92,18 @@ class RoutingCounts:
         all of the parts' intervals. Tokens and interval are kept only when every part has them."""
         parts = list(parts)
         if not parts:
-            raise ValueError("merge needs at least one RoutingCounts")
+            raise PlacementError("merge needs at least one RoutingCounts")
         first = parts[0]
         models = [p.model for p in parts if p.model is not None]
         for part in parts[1:]:
             if (part.moe_layers, part.num_experts) != (first.moe_layers, first.num_experts):
-                raise ValueError(
+                raise PlacementError(
                     f"cannot merge counts for layers {part.moe_layers} x {part.num_experts} experts "
                     f"into layers {first.moe_layers} x {first.num_experts} experts"
                 )
         for model in models[1:]:
             if (difference := model.first_difference(models[0], ROUTING_FIELDS)) is not None:
-                raise ValueError(f"cannot merge counts of different models: {difference}")
+                raise PlacementError(f"cannot merge counts of different models: {difference}")
         tokens = None if any(p.tokens is None for p in parts) else sum(p.tokens for p in parts)
         intervals = [p.interval for p in parts]
         interval = None if None in intervals else (min(i[0] for i in intervals), max(i[1] for i in intervals))
@@ -131,22 +132,22 @@ class RoutingCounts:
         model = None if doc.get("model") is None else ModelIdentity.from_json(doc["model"], where)
         if expected is not None:
             if model is None:
-                raise ValueError(f"{where} records no model identity to check against the running model")
+                raise PlacementError(f"{where} records no model identity to check against the running model")
             if (difference := model.first_difference(expected, ROUTING_FIELDS)) is not None:
-                raise ValueError(f"{where} was made for another model: {difference}")
+                raise PlacementError(f"{where} was made for another model: {difference}")
         try:
             layers = [int(layer) for layer in doc["moe_layers"]]
             counts = np.array([doc["counts"][str(layer)] for layer in layers], dtype=np.int64)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: malformed 'moe_layers'/'counts': {exc}") from None
+            raise PlacementError(f"{where}: malformed 'moe_layers'/'counts': {exc}") from None
         try:
             interval = None if "interval" not in doc else (doc["interval"]["start"], doc["interval"]["end"])
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"{where}: malformed 'interval': {exc!r}") from None
+            raise PlacementError(f"{where}: malformed 'interval': {exc!r}") from None
         try:
             return cls(counts, tuple(layers), model, doc.get("tokens"), interval)
         except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+            raise PlacementError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -175,12 +176,12 @@ class RoutingTrace:
     def __post_init__(self) -> None:
         ids, offsets = self.expert_ids, self.segment_offsets
         if ids.ndim != 3 or ids.shape[1] != len(self.moe_layers):
-            raise ValueError(f"expert_ids must be [tokens, {len(self.moe_layers)} layers, k], got {ids.shape}")
+            raise PlacementError(f"expert_ids must be [tokens, {len(self.moe_layers)} layers, k], got {ids.shape}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
-            raise ValueError(f"expert_ids must be in [0, {self.num_experts})")
+            raise PlacementError(f"expert_ids must be in [0, {self.num_experts})")
         bounds_ok = len(offsets) == len(self.segment_names) + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
         if not bounds_ok or (np.diff(offsets) < 0).any():
-            raise ValueError("segment_offsets must rise from 0 to the token count, one step per segment name")
+            raise PlacementError("segment_offsets must rise from 0 to the token count, one step per segment name")
 
     def select(self, segments: Sequence[int]) -> RoutingTrace:
         """The trace restricted to the chosen segments (positions), in the given order."""

@@ -37,7 +37,7 @@ class EngineSpec:
     dtype: str = "float32"
     max_model_len: int = 1024
     additional_config: dict | None = None
-    enforce_eager: bool = True  # False: torch.compile and CUDA graphs on a GPU (graph-safe backends only)
+    enforce_eager: bool = False  # vLLM's default: torch.compile (and CUDA graphs on a GPU); True: eager mode
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
     # Modules whose install() runs in the engine child before vLLM is imported (test-only shims, e.g.

@@ -47,8 +47,10 @@ def vllm_server(
     tensor_parallel_size: int = 1,
     log_path: Path | None = None,
     extra_env: dict[str, str] | None = None,
+    enforce_eager: bool = False,
 ) -> Iterator[RunningServer]:
-    """Start `vllm serve`, wait for /health, yield its URL and PID; the server is stopped on exit.
+    """Start `vllm serve` as users do (vLLM's default compiled mode unless `enforce_eager`), wait for /health,
+    yield its URL and PID; the server is stopped on exit.
 
     The log goes to a file so a failed start can be reported with its cause."""
     port = free_port()
@@ -56,8 +58,8 @@ def vllm_server(
     vllm_bin = Path(sys.executable).with_name("vllm")
     cmd = [
         str(vllm_bin), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "1024", "--enforce-eager", "--tensor-parallel-size", str(tensor_parallel_size),
-        *extra_args,
+        "--max-model-len", "1024", "--tensor-parallel-size", str(tensor_parallel_size),
+        *(["--enforce-eager"] if enforce_eager else []), *extra_args,
     ]
     env = {**os.environ, **engine_env(tensor_parallel_size), **(extra_env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
-from ..exl3.codebook import Codebook
 from ..exl3.checkpoint import split_name
-from ..exl3.convert import BLOCK_FP8_SCALE, HEAD, LINEAR_LEAVES, convert_checkpoint, write_dense_twin
+from ..exl3.codebook import Codebook
+from ..exl3.convert import BLOCK_FP8_SCALE, convert_checkpoint, write_dense_twin
+from ..exl3.naming import HEAD, LINEAR_LEAVES
+from ..kernels import cpu_exl3  # noqa: F401  (offers the compiled Viterbi to the encoder)
 
 CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/vllm-expert-offload/fixtures")

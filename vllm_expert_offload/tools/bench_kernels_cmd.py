@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..exl3.decode import dequantize
 from ..kernels.activation import silu_and_mul
-from ..testing.random_layers import median_seconds, random_moe
+from .random_layers import median_seconds, random_moe
 
 SHAPE = {"hidden": 2048, "intermediate": 768, "experts": 8, "k": 3}
 CPU = torch.device("cpu")

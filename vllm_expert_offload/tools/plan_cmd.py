@@ -14,9 +14,10 @@ import numpy as np
 from ..exl3 import deepseek_v4 as dsv4
 from ..exl3.checkpoint import Exl3Checkpoint, split_name
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
-from ..integration.offload.expert_plan import GIB, ExpertGeometry, make_plan, model_identity, record_bytes_matrix
-from ..integration.offload.options import OffloadOptions
+from ..offload.options import OffloadOptions
+from ..offload.rank_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from ..placement import Ledger, ModelIdentity, save_plan
+from ..units import GIB
 from .inspect_cmd import nbytes
 
 DEQUANTIZED_BYTES_PER_WEIGHT = 2  # fp16/bf16, for expert_offload.dequantize_linears

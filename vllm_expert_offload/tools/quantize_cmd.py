@@ -8,6 +8,7 @@ from pathlib import Path
 from ..exl3.codebook import Codebook
 from ..exl3.config import UNQUANTIZED_HEAD_BITS
 from ..exl3.convert import DEFAULT_HEAD_BITS, ENCODERS, convert_checkpoint
+from ..kernels import cpu_exl3  # noqa: F401  (offers the compiled Viterbi to the encoder)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from vllm.model_executor.utils import set_weight_attrs
 
 from ...exl3.errors import Exl3FormatError
 
@@ -25,8 +26,7 @@ def register_collectors(layer: torch.nn.Module, names: dict[str, str], loader: C
     setattr(layer, LOADED_ATTR, {})
     for param_name, suffix in names.items():
         param = torch.nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
-        param.exl3_suffix = suffix
-        param.weight_loader = loader
+        set_weight_attrs(param, {"exl3_suffix": suffix, "weight_loader": loader})  # what vLLM's loaders call
         layer.register_parameter(param_name, param)
 
 

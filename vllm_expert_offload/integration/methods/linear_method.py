@@ -1,4 +1,6 @@
-"""EXL3 dense linears in vLLM: fused QKV / gate_up, o_proj, dense MLPs, shared experts, lm_head."""
+"""EXL3 dense linears in vLLM: fused QKV / gate_up, o_proj, dense MLPs, shared experts, lm_head.
+
+`apply` is one opaque op naming this layer (kernels/ops.py); the op calls `linear_forward`, the backend's kernel."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from ...exl3.errors import Exl3FormatError
 from ...exl3.slicing import cover_input, cover_output
 from ...exl3.tensors import parse_linear
+from ...kernels import ops
+from ...kernels.contract import LinearLayer
 from ...kernels.linear import LinearShard
 from ...kernels.oracle import build_linear_kernel
 from .collectors import TENSOR_SUFFIXES, collect, register_collectors, take_loaded
+from .op_targets import register_op_target
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
@@ -49,6 +54,7 @@ class Exl3LinearMethod(LinearMethodBase):
         self.kernels = self.quant_config.kernel_choice(self.device)
         self._layer = layer
         register_collectors(layer, {s: s for s in TENSOR_SUFFIXES}, self._load)
+        self.op_name = register_op_target(self.prefix, self)
 
     def _load(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         layer_shard = 0 if loaded_shard_id is None else _QKV_SHARDS.get(loaded_shard_id, loaded_shard_id)
@@ -94,7 +100,13 @@ class Exl3LinearMethod(LinearMethodBase):
             shards.append(self._rank_shard(layer, shard, loaded[shard], self._shard_full_out(layer, shard)))
         # Shards stay on the host, where the collectors keep what the checkpoint delivered: a dequantizing
         # backend decodes there and moves only the result, a trellis-reading one moves the trellis.
-        self.kernel = build_linear_kernel(self.kernels, shards, self.params_dtype, self.device)
+        layer_spec = LinearLayer(shards, self.params_dtype, self.device, self.quant_config.capture_sizes())
+        self.kernel = build_linear_kernel(self.kernels, layer_spec)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel.forward(x, bias)
+        y = ops.exl3_linear(self, self.op_name, self.kernel.out_features, x)
+        return y if bias is None else y + bias
+
+    def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What the op runs: the backend's product of every shard, without bias."""
+        return self.kernel.forward(x)

@@ -1,5 +1,9 @@
 """EXL3 routed experts in vLLM's RoutedExperts: per-expert loading straight into each expert's tier,
-TP slicing, pointer tables, and one kernel interface."""
+TP slicing, pointer tables, and one kernel interface.
+
+`apply` is one opaque op (kernels/ops.py) naming this layer, so torch.compile never traces the routing glue or
+the backend; the op calls `moe_forward`, which holds everything that depends on Python state at run time (the
+profiling pass's worst-case routing, routing statistics, the expert-parallel map)."""
 
 from __future__ import annotations
 
@@ -11,14 +15,18 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 
 from ...exl3.errors import Exl3FormatError
 from ...exl3.naming import PROJECTIONS
-from ...kernels.oracle import KernelChoice, build_moe_kernel
-from ...kernels.pointer_tables import build_pointer_tables, kernel_address, place_expert, stack_scales
-from ...kernels.table_moe import ExpertCrop
+from ...kernels import ops
+from ...kernels.contract import ExpertCrop, MoELayer
+from ...kernels.oracle import BackendUnavailable, KernelChoice, build_moe_kernel
+from ...kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
+from ...offload.phase import profiling
+from ...offload.process import ProcessPlacement
+from ...offload.rank_plan import ExpertGeometry
+from ...offload.tiers import place_expert
+from ..startup.crash_line import install_crash_line
+from ..startup.profiling import install_profile_flag, spread_routing
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
-from ..offload.expert_plan import ExpertGeometry
-from ..offload.options import parse_offload_options
-from ..offload.placement_state import ProcessPlacement
-from ..startup.profiling import install_profile_flag, profiling, spread_routing
+from .op_targets import register_op_target
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
@@ -26,20 +34,26 @@ LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 def _process_placement(quant_config, geometry: ExpertGeometry, top_k: int, device: torch.device) -> ProcessPlacement:
-    """The quant config lives once per process, so it carries the process's placement."""
-    if getattr(quant_config, "placement", None) is None:
-        options = parse_offload_options(get_current_vllm_config().additional_config)
-        quant_config.placement = ProcessPlacement(options, quant_config.summary, geometry, top_k, device)
+    """The quant config lives once per process, so it carries the process's placement (made at the first MoE
+    layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated."""
+    if quant_config.placement is None:
+        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device)
+        if device.type == "cuda":
+            install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
+        quant_config.placement = placement
     return quant_config.placement
 
 
 def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device) -> None:
-    """The torch reference decides per batch which experts to decode (host syncs, data-dependent shapes),
-    which CUDA-graph capture cannot record; refuse up front instead of failing inside capture."""
-    if device.type == "cpu" or kernels.graph_safe:
+    """The torch reference decides per batch which experts to decode (host syncs, data-dependent shapes), which
+    CUDA-graph capture cannot record; refuse it up front where vLLM will capture graphs (CUDA, a cudagraph mode
+    other than NONE) instead of failing inside capture. torch.compile alone is fine: the op is opaque."""
+    if device.type != "cuda" or kernels.graph_safe:
         return
-    if not get_current_vllm_config().model_config.enforce_eager:
-        raise RuntimeError(
+    from vllm.config import CUDAGraphMode
+
+    if get_current_vllm_config().compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        raise BackendUnavailable(
             f"vllm-expert-offload: EXL3 routed experts run the {kernels.moe!r} backend ({kernels.reason}), which "
             "cannot be captured in CUDA graphs; start vLLM with --enforce-eager, or use "
             "--additional-config '{\"expert_offload\": {\"kernel\": \"triton\"}}'"
@@ -94,6 +108,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
         install_profile_flag()
+        self.op_name = register_op_target(layer.layer_name, self)
 
     def _checkpoint_name(self, global_expert: int, projection: str) -> str:
         return self.quant_config.summary.layout.expert_prefix(self.layer_index, global_expert, projection)
@@ -150,24 +165,32 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         arena = self.placement.arena
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
-        self.kernel = build_moe_kernel(
-            self.kernels, experts, tables, scales, arena, crop, self.params_dtype, self.device,
+        self.kernel = build_moe_kernel(self.kernels, MoELayer(
+            experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
-        )
+        ))
         del self.placed
         self.placement.note_loading_peak(self.device)
+        # What moe_forward needs of the layer, kept so the op's target holds no reference back to it.
+        self.expert_map = layer.expert_map
+        self.global_num_experts = layer.global_num_experts
+        self.apply_router_weight_on_input = layer.apply_router_weight_on_input
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        return ops.exl3_moe(self, self.op_name, self.geometry.hidden, x, topk_weights, topk_ids)
+
+    def moe_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording, global
+        ids mapped to this rank's (EP), then the backend."""
         if profiling():
-            topk_ids = spread_routing(topk_ids, layer.global_num_experts)
+            topk_ids = spread_routing(topk_ids, self.global_num_experts)
         elif self.placement.recording:
             self.placement.record(self.layer_index, topk_ids)
-        expert_map = layer.expert_map
-        if expert_map is not None:
-            local = expert_map[topk_ids.long()]
+        if self.expert_map is not None:
+            local = self.expert_map[topk_ids.long()]
             topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
             topk_ids = local.clamp(min=0)
-        return self.kernel.forward(x, topk_weights, topk_ids.long(), layer.apply_router_weight_on_input)
+        return self.kernel.forward(x, topk_weights, topk_ids.long(), self.apply_router_weight_on_input)

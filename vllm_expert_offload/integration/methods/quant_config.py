@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,15 +15,37 @@ from vllm.model_executor.layers.quantization import get_quantization_config, reg
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+from ...exl3.checkpoint import Exl3Checkpoint
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
 from ...exl3.contract import KEY, MixedContract
 from ...exl3.errors import Exl3FormatError
-from ...exl3.validate import CheckpointSummary
+from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
-from ..offload.options import parse_offload_options
-from .checkpoint_scan import resolve_model_dir, scan_checkpoint
+from ...offload.options import OffloadOptions, parse_offload_options
+from ...offload.process import ProcessPlacement
 
 QUANT_NAME = "exl3"
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local directory, or a Hugging Face repo id already in the local cache (no download here)."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several unrelated types for "not cached"
+        raise Exl3FormatError(
+            f"--model {model}: not a local directory and not in the Hugging Face cache ({exc}); "
+            f"download it first so its EXL3 tensors can be validated before serving"
+        ) from exc
+
+
+@lru_cache(maxsize=4)
+def scan_checkpoint(model_dir: str) -> CheckpointSummary:
+    """Validated once per process and directory: config parsing runs several times during startup."""
+    return validate_checkpoint(Exl3Checkpoint.open(model_dir))
 
 
 def build_delegate(contract: MixedContract | None) -> QuantizationConfig | None:
@@ -66,7 +91,11 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
+        # Per process, made at the first EXL3 layer built (where vLLM's config is current): the expert_offload
+        # options parsed once and handed down, the backends, and the placement (plan + arena + routing counts).
+        self.options: OffloadOptions | None = None
         self.kernels: KernelChoice | None = None
+        self.placement: ProcessPlacement | None = None
         self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
         self._checkpoint_names: dict[str, str] | None = None
 
@@ -154,10 +183,16 @@ class Exl3Config(QuantizationConfig):
         if self.kernels is None:
             vllm_config = get_current_vllm_config()
             refuse_unservable(vllm_config)
-            options = parse_offload_options(vllm_config.additional_config)
-            self.kernels = choose_kernels(options.kernel, device, options.dequantize_linears)
+            self.options = parse_offload_options(vllm_config.additional_config)
+            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
             log_choice(self.kernels)
         return self.kernels
+
+    @staticmethod
+    def capture_sizes() -> tuple[int, ...]:
+        """The batch sizes vLLM will capture CUDA graphs for (kernels that tune per shape warm up on them)."""
+        sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes
+        return tuple(sorted(set(sizes or ())))
 
     def shard_prefixes(self, prefix: str) -> list[str]:
         """Checkpoint names of a vLLM module's shards: qkv_proj -> q_proj, k_proj, v_proj (EXL3 stores each

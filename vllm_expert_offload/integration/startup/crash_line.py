@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from ...errors import ExpertOffloadError
 from ..patching import Hook, require_checked_version
 
 GIB = 1 << 30
 
 
-class CrashLineError(RuntimeError):
+class CrashLineError(ExpertOffloadError, RuntimeError):
     pass
 
 

@@ -12,7 +12,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from ..offload.options import OffloadOptions, parse_offload_options
+from ...offload.options import OffloadOptions, parse_offload_options
 from ..patching import Hook, require_checked_version
 from .readiness import run_async, run_sync
 from .stats_saver import saving_stats

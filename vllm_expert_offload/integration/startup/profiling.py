@@ -15,26 +15,18 @@ import sys
 
 import torch
 
+from ...offload.phase import profiling_pass
 from ..patching import SENTINEL, HookError, require_checked_version
 
 # (module, class) of the model runners whose profile_run sizes the KV cache: V1 (CPU runs it too) and V2.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"), ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"))
-_depth = 0
-
-
-def profiling() -> bool:
-    return _depth > 0
 
 
 def _flagged(profile_run):
     @functools.wraps(profile_run)
     def wrapper(*args, **kwargs):
-        global _depth
-        _depth += 1
-        try:
+        with profiling_pass():
             return profile_run(*args, **kwargs)
-        finally:
-            _depth -= 1
 
     setattr(wrapper, SENTINEL, True)
     return wrapper

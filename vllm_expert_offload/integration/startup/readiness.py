@@ -16,6 +16,7 @@ import os
 
 from vllm import SamplingParams
 
+from ...errors import ExpertOffloadError
 from .worker_rpc import RESET_COUNTS
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
@@ -24,7 +25,7 @@ REQUEST_ID = "vllm-expert-offload-readiness"
 DECODE_STEPS = 4
 
 
-class ReadinessError(RuntimeError):
+class ReadinessError(ExpertOffloadError, RuntimeError):
     pass
 
 

@@ -33,7 +33,9 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from ..offload.options import OffloadOptions
+from vllm.engine.protocol import EngineClient
+
+from ...offload.options import OffloadOptions
 from .worker_rpc import SAVE_STATS
 
 logger = logging.getLogger("vllm.expert_offload.stats")
@@ -44,7 +46,7 @@ FINAL_SAVE_TIMEOUT_S = 30.0  # a save waits for the engine step in progress; thi
 class StatsSaver:
     """Saves through `client.collective_rpc`; `tasks` holds the saves started by signals until they finish."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self.client = client
         self.tasks: set[asyncio.Task] = set()
 
@@ -95,7 +97,7 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, saver: StatsSaver) -> b
 
 
 @contextlib.asynccontextmanager
-async def saving_stats(client, options: OffloadOptions, client_index: int = 0) -> AsyncIterator[None]:
+async def saving_stats(client: EngineClient, options: OffloadOptions, client_index: int = 0) -> AsyncIterator[None]:
     """While the body runs (the server serves), save routing statistics periodically and on SIGUSR1, and once
     more when the engine client is shut down."""
     if options.record_stats is None or client_index != 0:

@@ -20,12 +20,12 @@ MEMORY_REPORT = "vllm_expert_offload_memory_report"
 
 
 def _placement(worker):
-    """The process's ProcessPlacement (shared by all EXL3 MoE layers), or None for a model without them."""
-    for module in worker.model_runner.get_model().modules():
-        placement = getattr(getattr(module, "quant_method", None), "placement", None)
-        if placement is not None:
-            return placement
-    return None
+    """The process's ProcessPlacement (shared by all EXL3 MoE layers): the declared field of the model's EXL3
+    quant config (vLLM builds every layer from `vllm_config.quant_config`); None for a model without them."""
+    from ..methods.quant_config import Exl3Config
+
+    quant_config = worker.vllm_config.quant_config
+    return quant_config.placement if isinstance(quant_config, Exl3Config) else None
 
 
 def reset_expert_counts(worker) -> bool:

@@ -10,15 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...exl3.naming import PROJECTIONS
-from ...exl3.slicing import cover_input, cover_output
-from ...exl3.tensors import Exl3Linear, parse_linear
-from ...exl3.validate import CheckpointSummary
-from ...kernels.pointer_tables import host_record_bytes
-from ...placement import ModelIdentity, RoutingCounts, load_plan, plan_placement
+from ..exl3.naming import PROJECTIONS
+from ..exl3.slicing import cover_input, cover_output
+from ..exl3.tensors import Exl3Linear, parse_linear
+from ..exl3.validate import CheckpointSummary
+from ..placement import ModelIdentity, RoutingCounts, load_plan, plan_placement
+from ..units import GIB
 from .options import OffloadOptions
-
-GIB = 1 << 30
+from .tiers import host_record_bytes
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...kernels.oracle import BACKENDS
+from ..errors import ExpertOffloadError
+from ..validation import finite_number, refuse_unknown
 
 OPTION_KEY = "expert_offload"
+# The EXL3 backends `kernel` may name; kernels/oracle.py decides which runs and refuses what cannot.
+BACKENDS = ("auto", "cpu", "exllamav3", "triton", "torch")
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
 _KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "record_stats_interval_s", "min_free_fraction", "kernel",
                     "dequantize_linears"})
@@ -23,7 +26,7 @@ DEFAULT_MIN_FREE_FRACTION = 0.03
 DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
 
 
-class OffloadOptionError(ValueError):
+class OffloadOptionError(ExpertOffloadError, ValueError):
     pass
 
 
@@ -36,7 +39,7 @@ class OffloadOptions:
     record_stats: Path | None = None  # where serving writes the counts it observes
     record_stats_interval_s: float = DEFAULT_RECORD_STATS_INTERVAL_S  # `vllm serve` rewrites record_stats this often
     min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION  # GPU memory that must stay free after the KV cache
-    kernel: str = "auto"  # EXL3 backend asked for (kernels/oracle.py decides and refuses)
+    kernel: str = "auto"  # one of BACKENDS: the EXL3 backend asked for (kernels/oracle.py decides and refuses)
     dequantize_linears: bool = False  # decode dense EXL3 linears once at load (memory for speed)
 
     @property
@@ -49,14 +52,7 @@ def _where(key: str) -> str:
 
 
 def _number(raw: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    if key not in raw:
-        return None
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise OffloadOptionError(f"{_where(key)}: {value!r} is not a number")
-    if not lo <= value <= hi:
-        raise OffloadOptionError(f"{_where(key)}: {value} is outside [{lo}, {hi}]")
-    return float(value)
+    return finite_number(raw[key], _where(key), OffloadOptionError, lo, hi) if key in raw else None
 
 
 def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
@@ -118,9 +114,7 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         return OffloadOptions()
     if not isinstance(raw, dict):
         raise OffloadOptionError(f"--additional-config {OPTION_KEY}: expected an object, got {raw!r}")
-    unknown = sorted(set(raw) - _KNOWN)
-    if unknown:
-        raise OffloadOptionError(f"{_where(unknown[0])}: unknown option (known: {sorted(_KNOWN)})")
+    refuse_unknown(raw, _KNOWN, f"--additional-config {OPTION_KEY}", OffloadOptionError, "unknown option")
     given = [k for k in _PLACEMENT_KEYS if k in raw]
     if len(given) > 1:
         raise OffloadOptionError(f"--additional-config {OPTION_KEY}: give one of {list(_PLACEMENT_KEYS)}, not {given}")

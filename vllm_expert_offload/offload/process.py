@@ -1,4 +1,5 @@
-"""One process's expert placement: the plan, the host arena it implies, and routing statistics.
+"""One process's expert placement: the plan, the host arena it implies, and routing statistics (no vLLM: the
+integration layer installs the hooks that act on it, such as the crash line).
 
 Made once per process at the first MoE layer's create_weights, from the checkpoint's headers, so the
 arena is sized exactly before a single expert is loaded and each expert goes straight to its tier.
@@ -14,12 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ...exl3.validate import CheckpointSummary
-from ...memory.arena import HostArena
-from ...placement import RoutingCounts
-from ..startup.crash_line import install_crash_line
-from .expert_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
+from ..exl3.validate import CheckpointSummary
+from ..memory.arena import HostArena
+from ..placement import RoutingCounts
 from .options import OffloadOptions
+from .rank_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 
 logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, so it shares its handlers
 
@@ -27,7 +27,7 @@ logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, s
 def _arena_numa_node(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    from ...memory.topology import numa_node_of_gpu
+    from ..memory.topology import numa_node_of_gpu
 
     return numa_node_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -61,8 +61,6 @@ class ProcessPlacement:
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
         self.counting_since = time.time()
-        if device.type == "cuda":
-            install_crash_line(options.min_free_fraction, self.record_bytes[self.gpu_tier].tolist())
         self.recording = options.record_stats is not None
         self.loading_peak_bytes = 0  # CUDA: peak allocated while the MoE layers were loaded (memory_report)
         if self.recording and geometry.tp_rank == 0:
@@ -75,6 +73,10 @@ class ProcessPlacement:
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
             self.record_bytes[self.gpu_tier].sum() / 2**20, source,
         )
+
+    def gpu_tier_sizes(self) -> list[int]:
+        """Bytes of each GPU-tier expert on this rank (what the crash line offers to move to the host)."""
+        return self.record_bytes[self.gpu_tier].tolist()
 
     def note_loading_peak(self, device: torch.device) -> None:
         """Called as each MoE layer finishes loading, before vLLM allocates the KV cache: the highest

@@ -1,5 +1,6 @@
 """Random EXL3 layers placed and wrapped in a backend, for kernel benchmarks (any bit pattern is a valid
-trellis, exl3-format.md §2.5, so speed can be measured without encoding anything)."""
+trellis, exl3-format.md §2.5, so speed can be measured without encoding anything). Shipped with the tools
+(`bench-kernels`), used by benchmarks/ and tests too; nothing here is test-only."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 
 from ..exl3 import Codebook, Exl3Linear
 from ..exl3.naming import PROJECTIONS
+from ..kernels.contract import ExpertCrop, MoELayer
 from ..kernels.oracle import KernelChoice, build_moe_kernel
-from ..kernels.pointer_tables import build_pointer_tables, host_record_bytes, kernel_address, place_expert, stack_scales
-from ..kernels.table_moe import ExpertCrop
+from ..kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from ..memory import HostArena
+from ..offload.tiers import host_record_bytes, place_expert
 
 
 def random_linear(gen: torch.Generator, in_features: int, out_features: int, k: float) -> Exl3Linear:
@@ -51,8 +53,8 @@ def random_moe(
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, gpu_tier)]
     placed, scales = stack_scales(placed, device)
     tables = build_pointer_tables(placed, kernel_address(arena, device), device)
-    kernel = build_moe_kernel(KernelChoice(backend, backend, "benchmark"), placed, tables, scales, arena,
-                              ExpertCrop(hidden, intermediate, 0), dtype, device)
+    layer = MoELayer(placed, tables, scales, arena, ExpertCrop(hidden, intermediate, 0), dtype, device)
+    kernel = build_moe_kernel(KernelChoice(backend, backend, "benchmark"), layer)
     expert_bytes = sum(sets[0][p].nbytes() for p in PROJECTIONS)
     return RandomMoE(kernel, sets, torch.tensor(gpu_tier), expert_bytes)
 

@@ -1,1 +1,0 @@
-"""Offload options, the per-process expert plan and placement state."""
