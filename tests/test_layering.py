@@ -91,8 +91,6 @@ def _names_vllm_module(path: Path) -> bool:
                                   and p.name != "__init__.py"], ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_every_integration_module_imports_or_hooks_vllm(path: Path) -> None:
     """integration/ holds only what touches vLLM: it imports vLLM, or names the vLLM module it hooks."""
-    if path.relative_to(PACKAGE).as_posix() == "integration/kv/rules.py":
-        pytest.skip("the pure block-size rules move to vllm_expert_offload/kv/ with issue 22's work")
     assert any(name == "vllm" or name.startswith("vllm.") for name in _imports(path)) or _names_vllm_module(path)
 
 

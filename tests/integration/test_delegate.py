@@ -73,7 +73,15 @@ def test_plain_fp8_off_the_deepseek_family_is_vllms_fp8() -> None:
     assert type(config) is vllm_fp8.Fp8Config and config.weight_block_size == [128, 128]
 
 
-def test_changed_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_older_vllm_is_refused_and_a_newer_one_is_checked_by_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The version gate of integration/versions.py: an older vLLM is refused; a newer one resolves as long as
+    `_verify_quantization` still reads what the stand-in provides (the source check refuses it otherwise)."""
+    deepseek = SimpleNamespace(model_type="deepseek_v4")
+    monkeypatch.setattr(delegate.importlib.metadata, "version", lambda name: "0.31.0")
+    with pytest.raises(RuntimeError, match="vLLM 0.32/0.33; found vLLM 0.31.0"):
+        delegate.resolve_method(dict(FP8_DELEGATE), deepseek)
     monkeypatch.setattr(delegate.importlib.metadata, "version", lambda name: "0.40.0")
-    with pytest.raises(RuntimeError, match="vLLM 0.32/0.33; found vLLM 0.40.0"):
-        delegate.resolve_method(dict(FP8_DELEGATE), SimpleNamespace(model_type="deepseek_v4"))
+    assert delegate.resolve_method(dict(FP8_DELEGATE), deepseek) == "deepseek_v4_fp8"
+    monkeypatch.setattr(delegate, "VERIFY_READS", (*delegate.VERIFY_READS, "self.a_field_vllm_dropped"))
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.40\.0's ModelConfig._verify_quantization no longer reads"):
+        delegate.resolve_method(dict(FP8_DELEGATE), deepseek)

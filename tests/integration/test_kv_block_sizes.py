@@ -1,14 +1,17 @@
-"""The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve" and
-"DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash").
+"""The KV-cache block-size startup fix (issues "Startup: KV block sizes 64 and 128 initialize and serve",
+"DeepSeek-V4.1 KV block sizes: the seeds' block-64 startup crash" and "DeepSeek-V4.1 on SM120: KV pages the
+kernels actually have").
 
-Four layers of evidence: the pure resolver (no vLLM); the hooks on vLLM's own worker functions, in process
-(the CPU build's V1 runner path, and the V2 runner's bindings); `check-kv` on the DeepSeek-V4.1 config the
-project carries (tests/fixtures, runs on a bare clone); and the shared kv-plan-repro scripts, which run vLLM's
-spec construction, planning and kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on
-each emulated GPU and backend, as subprocesses with and without the general plugins (10-30 s each; they run
-three at a time). Every repro case has a twin through the project's own `check-kv` on the configs under
-tests/fixtures (DeepSeek-V4-Flash, V4.1-Flash, Qwen3-30B-A3B: public config.json values), so a bare clone,
-without ../shared, checks the same layouts with the fix on and reproduces the same upstream errors with it off.
+Four layers of evidence: the pure resolver and the kernel truth table (tests/kv, no vLLM); the hooks on vLLM's own
+worker functions and backend declarations, in process (the CPU build's V1 runner path, and the V2 runner's
+bindings); `check-kv` on the DeepSeek-V4 and V4.1 configs the project carries (tests/fixtures, runs on a bare
+clone), for every V4.1 backend and GPU at --block-size 64, 128 and 256, each planned kernel page checked against the
+kernel truth table; and the shared kv-plan-repro scripts, which run vLLM's spec construction, planning and
+kernel-block checks for DeepSeek-V4 layer patterns and for DeepSeek-V4.1 on each emulated GPU and backend, as
+subprocesses with and without the general plugins (10-30 s each; they run three at a time). Every repro case has a
+twin through the project's own `check-kv` on the configs under tests/fixtures (DeepSeek-V4-Flash, V4.1-Flash,
+Qwen3-30B-A3B: public config.json values), so a bare clone, without ../shared, checks the same layouts with the
+fix on and reproduces the same upstream errors with it off.
 """
 
 from __future__ import annotations
@@ -20,20 +23,12 @@ import os
 import re
 import subprocess
 import sys
-import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from vllm_expert_offload.integration.kv.rules import (
-    BackendSizes,
-    GroupFacts,
-    KVBlockLayoutError,
-    Member,
-    check_block_sizes,
-    resolve_block_sizes,
-)
+from vllm_expert_offload.kv.rules import KVBlockLayoutError
 
 from support.paths import FIXTURES, SHARED
 
@@ -46,153 +41,66 @@ REPRO41 = REPRO.parent / "kv41_plan_repro.py"
 DSV41_FIXTURE = FIXTURES / "deepseek_v41_flash"
 DSV4_FIXTURE = FIXTURES / "deepseek_v4_flash"
 QWEN_FIXTURE = FIXTURES / "qwen3_30b_a3b"
-DSV4_INDEXER = BackendSizes("DEEPSEEK_V4_INDEXER", exact=(256,))
-DSV4_MLA = BackendSizes("FLASHMLA_SPARSE_DSV4", exact=(256,))
-CPU_ATTN = BackendSizes("CPU_ATTN", multiple_of=(32,))
-SWA = BackendSizes("DEEPSEEK_SPARSE_SWA", multiple_of=(32,))
+# Another V4.1 layer pattern: ratio-2 kv sources first and in runs of four, then ratio 1 (24 layers, +1 MTP entry).
+V41_RATIO2_FIRST = [0, 2, 2, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 2, 2, 0, 0, 0, 0]
+V41_RATIO2_FIRST_SOURCES = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]
 
 
-def dsv4_compressed(requested: int) -> GroupFacts:
-    """DeepSeek-V4's packed group: indexer keys (ratio 4) beside the ratio-4 and ratio-128 MLA caches."""
-    members = (Member(DSV4_INDEXER, 4), Member(DSV4_MLA, 4), Member(DSV4_MLA, 128))
-    return GroupFacts("g2", members, requested, packed=True)
+def _dsv41_config(directory: Path, ratios: list[int], sources: list[int]) -> Path:
+    """The DeepSeek-V4.1-Flash config.json with another layer pattern (kv and index sources alike)."""
+    config = json.loads((DSV41_FIXTURE / "config.json").read_text())
+    text = config.get("text_config", config)
+    text.update(num_hidden_layers=len(ratios) - 1, compress_ratios=ratios, kv_source_layer_ids=sources,
+                index_source_layer_ids=sources)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
 
 
-# ---------------------------------------------------------------- pure resolver
-
-
-@pytest.mark.parametrize("requested", [16, 32, 64, 128, 256])
-def test_dsv4_compressed_group_gets_256_token_pages(requested: int) -> None:
-    assert resolve_block_sizes([dsv4_compressed(requested)]) == {"g2": 256}
-
-
-def test_user_size_kept_where_the_backend_takes_it() -> None:
-    groups = [
-        GroupFacts("swa", (Member(SWA),), 64, packed=True),
-        GroupFacts("full", (Member(CPU_ATTN),), 128),
-        dsv4_compressed(512),  # compressed caches in a packed block may be split into 256-token kernel blocks
-    ]
-    assert resolve_block_sizes(groups) == {"swa": 64, "full": 128, "g2": 512}
-
-
-def test_raised_to_the_smallest_workable_multiple() -> None:
-    assert resolve_block_sizes([GroupFacts("full", (Member(CPU_ATTN),), 16)]) == {"full": 32}
-    flexible_c128 = GroupFacts("c128", (Member(BackendSizes("FLASH_ATTN_MLA", multiple_of=(16,)), 128),), 64)
-    assert resolve_block_sizes([flexible_c128]) == {"c128": 128}  # 64 would hold 0 ratio-128 states
-
-
-def test_packed_token_cache_is_not_split() -> None:
-    token_cache = GroupFacts("tok", (Member(BackendSizes("FIXED", exact=(256,))),), 512, packed=True)
-    assert resolve_block_sizes([token_cache]) == {"tok": 256}
-    assert resolve_block_sizes([GroupFacts("tok", token_cache.members, 512)]) == {"tok": 512}
-
-
-def test_packed_compressed_cache_splits_only_into_unpadded_pages() -> None:
-    """DeepSeek-V4.1 on SM90 (FlashMLA and indexer take [64]): a ratio-2 cache of 584 B records in 576 B-aligned
-    pages would need 64-token kernel pages of 18,688 B, not a multiple of 576, so a 128-token block cannot be
-    split; mega attention's 288 B NVFP4 records in 512 B-aligned pages can."""
-    flashmla = BackendSizes("FLASHMLA_SPARSE_DSV41", exact=(64,))
-    ratio1 = GroupFacts("r1", (Member(flashmla, 1, 584, 576),), 128, packed=True)
-    ratio2 = GroupFacts("r2", (Member(flashmla, 2, 584, 576),), 128, packed=True)
-    assert resolve_block_sizes([ratio1, ratio2]) == {"r1": 64, "r2": 64}
-    mega = GroupFacts("mega", (Member(BackendSizes("FLASHMLA_MEGA_ATTN_DSV41", exact=(128,)), 2, 288, 512),), 256,
-                      packed=True)
-    assert resolve_block_sizes([mega]) == {"mega": 256}
-
-
-@pytest.mark.parametrize(("kernel", "requested", "expected"),
-                         [(128, 64, 128), (128, 128, 128), (64, 64, 64), (64, 128, 64)])
-def test_dsv41_compressed_group(kernel: int, requested: int, expected: int) -> None:
-    """Main MLA and indexer caches of ratio 1 and 2 in one packed group: SM100/SM120 kernels take [128], SM90 [64]."""
-    mla = BackendSizes("FLASHINFER_MLA_SPARSE_DSV41", (kernel,))
-    indexer = BackendSizes("DEEPSEEK_V41_INDEXER", (kernel,))
-    members = (Member(mla, 1, 584, 576), Member(indexer, 1, 132, 576), Member(mla, 2, 584, 576),
-               Member(indexer, 2, 132, 576))
-    assert resolve_block_sizes([GroupFacts("g4", members, requested, packed=True)]) == {"g4": expected}
-
-
-def test_impossible_layout_names_group_backends_and_sizes() -> None:
-    impossible = GroupFacts("g1 (20 layers from model.layers.3.attn)", (Member(BackendSizes("TINY_MLA", (64,)), 128),),
-                            64, packed=True)
-    disjoint = GroupFacts("g2", (Member(BackendSizes("A", (64,))), Member(BackendSizes("B", (128,)))), 64)
-    with pytest.raises(KVBlockLayoutError) as refused:
-        resolve_block_sizes([impossible, dsv4_compressed(64), disjoint])
-    message = str(refused.value)
-    assert "KV-cache group g1 (20 layers from model.layers.3.attn): block size 64 is not usable" in message
-    assert "TINY_MLA takes [64], compression ratio 128" in message
-    assert "A takes [64]; B takes [128]" in message
-    assert message.count("sizes that would work: none") == 2
-
-
-def test_planned_size_refused_with_the_sizes_that_would_work() -> None:
-    check_block_sizes([dsv4_compressed(256), GroupFacts("swa", (Member(SWA),), 64)])
-    with pytest.raises(KVBlockLayoutError) as refused:
-        check_block_sizes([dsv4_compressed(128)])
-    message = str(refused.value)
-    assert message.startswith("KV-cache group g2: block size 128 is not usable (DEEPSEEK_V4_INDEXER takes [256]")
-    assert message.endswith("sizes that would work: 256, 512, 1024, 2048, 4096")
+@pytest.fixture(scope="module")
+def v41_patterns(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The public V4.1-Flash config and the second layer pattern, by name."""
+    other = _dsv41_config(tmp_path_factory.mktemp("v41") / "ratio2_first", V41_RATIO2_FIRST, V41_RATIO2_FIRST_SOURCES)
+    return {"v41_flash": DSV41_FIXTURE, "ratio2_first": other}
 
 
 # ---------------------------------------------------------------- hooks in vLLM's worker functions
 
 
 @pytest.fixture(scope="module")
-def kv_blocks():
+def kv_fix():
     """The fix, installed in this process (as `register()` does in every vLLM process)."""
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401  (Model Runner V2: its bindings must be rebound)
     import vllm.v1.worker.gpu_model_runner  # noqa: F401  (Model Runner V1)
 
-    from vllm_expert_offload.integration.kv import fix as kv_blocks
+    from vllm_expert_offload.integration.kv import fix as kv_fix
 
-    kv_blocks.install()
-    return kv_blocks
-
-
-def _bound(kv_blocks) -> dict[str, object]:
-    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_blocks._hooks()}
+    kv_fix.install()
+    return kv_fix
 
 
-def test_install_covers_both_runners_and_is_idempotent(kv_blocks) -> None:
+def _bound(kv_fix) -> dict[str, object]:
+    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_fix._hooks()}
+
+
+def test_install_covers_both_runners_and_is_idempotent(kv_fix) -> None:
     from vllm_expert_offload.integration.patching import SENTINEL
 
-    before = _bound(kv_blocks)
+    before = _bound(kv_fix)
     assert len(before) == 6 and all(getattr(fn, SENTINEL, False) for fn in before.values())
-    assert kv_blocks.install() == []
-    assert _bound(kv_blocks) == before
+    assert kv_fix.install() == []
+    assert _bound(kv_fix) == before
 
 
-def test_unknown_vllm_version_refused(kv_blocks) -> None:
-    from vllm_expert_offload.integration.patching import HookError
-
-    before = _bound(kv_blocks)
-    with pytest.raises(HookError, match=r"checked on vLLM 0\.32, 0\.33 only; this is vLLM 0\.34\.0.*"
-                                        r"VLLM_EXPERT_OFFLOAD_KV_FIX=0"):
-        kv_blocks.install("0.34.0")
-    assert _bound(kv_blocks) == before
-
-
-def test_switch(kv_blocks, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "0")
-    assert kv_blocks.install() == []
-    monkeypatch.setenv(kv_blocks.ENV_SWITCH, "off")
+def test_switch(kv_fix, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kv_fix.ENV_SWITCH, "0")
+    assert kv_fix.install() == []
+    monkeypatch.setenv(kv_fix.ENV_SWITCH, "off")
     with pytest.raises(ValueError, match="use 1 .* or 0"):
-        kv_blocks.install()
+        kv_fix.install()
 
 
-def test_hook_refuses_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_expert_offload.integration.patching import Hook, HookError
-
-    module = types.ModuleType("vllm.fake_module_for_hook_test")
-    module.target = lambda backend, spec: spec
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    with pytest.raises(HookError, match=r"takes \('backend', 'spec'\); the hook was written for \('spec',\)"):
-        Hook(module.__name__, "target", ("spec",), ("0.32",), lambda fn: fn).install()
-    hook = Hook(module.__name__, "target", ("backend", "spec"), ("0.32",), lambda fn: lambda b, s: (fn(b, s), 1))
-    assert hook.install() and not hook.install()
-    assert module.target(None, 0) == (0, 1)
-
-
-def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> None:
+def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_fix) -> None:
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
@@ -206,13 +114,14 @@ def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_blocks) -> No
         assert utils.customize_attention_spec(CPUAttentionBackend, spec).block_size == expected
 
 
-def _v41_indexer_spec(block_size: int):
-    """DeepSeek-V4.1's ratio-1 indexer key cache as `DeepseekV4IndexerCache.get_kv_cache_spec` builds it on SM100
-    (132 B rows, pages padded to 512 B: 8,448 B padded to 8,704 B at 64 tokens; 16,896 B unpadded at 128)."""
+def _v41_indexer_spec(block_size: int, ratio: int = 1):
+    """DeepSeek-V4.1's indexer key cache as `DeepseekV4IndexerCache.get_kv_cache_spec` builds it on SM100
+    (132 B rows, pages padded to 512 B: at ratio 1 8,448 B padded to 8,704 B at 64 tokens, 16,896 B at 128)."""
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=132, dtype=torch.uint8, alignment=512)
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=132, dtype=torch.uint8, alignment=512,
+                            tokens_per_state=ratio, model_version="deepseek_v4")
 
 
 def test_resized_recomputes_padding_for_the_new_block() -> None:
@@ -232,8 +141,10 @@ def test_resized_recomputes_padding_for_the_new_block() -> None:
         resized(shared, 64)
 
 
-@pytest.mark.parametrize(("arch", "expected"), [("sm100", 128), ("sm120", 128), ("sm90", 64)])
-def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, expected: int) -> None:
+@pytest.mark.parametrize(("arch", "ratio", "expected"),
+                         [("sm100", 1, 128), ("sm100", 2, 128), ("sm120", 1, 64), ("sm120", 2, 128), ("sm90", 1, 64)])
+def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_fix, arch: str, ratio: int, expected: int) -> None:
+    """SM100 and SM90 keep vLLM's declared 128 and 64; on SM120 the page holds 64 states whatever the ratio."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
     from vllm.v1.worker import utils
@@ -241,10 +152,93 @@ def test_spec_hook_gives_the_v41_indexer_its_gpus_block(kv_blocks, arch: str, ex
     from vllm_expert_offload.tools.gpu_arch import emulated
 
     with emulated(arch):
-        spec = utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(64))
-    assert spec.block_size == expected
-    assert spec.page_size_bytes == _v41_indexer_spec(expected).page_size_bytes
+        spec = utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(64, ratio))
+    assert spec.block_size == expected and spec.num_states == expected // ratio
+    assert spec.page_size_bytes == _v41_indexer_spec(expected, ratio).page_size_bytes
     assert current_platform.get_device_capability() is None  # the CPU platform again
+
+
+def _swa_spec(block_size: int):
+    """DeepSeek-V4.1's sliding-window cache on SM120 (`DeepseekV4SWACache`, fp8_ds_mla: 584 B records, 576 B
+    aligned pages: 19,008 B at the model's 32 tokens, 37,440 B at 64)."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    return SlidingWindowMLASpec(block_size=block_size, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+                                sliding_window=128, cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
+                                alignment=576, model_version="deepseek_v4")
+
+
+def test_spec_hook_declares_the_sm120_pages_from_the_truth_table(kv_fix) -> None:
+    """On SM120 the FlashInfer backend, the indexer and FlashInfer's sliding window declare what the kernel truth
+    table says (vLLM 0.32/0.33 declare [128], [128], [MultipleOf(32)]); on SM100 the same classes keep vLLM's."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekSparseSWAFlashInferBackend,
+        DeepseekV4FlashInferMLASparseBackend,
+    )
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.integration.patching import SENTINEL
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated("sm120"):
+        swa = utils.customize_attention_spec(DeepseekSparseSWAFlashInferBackend, _swa_spec(32))
+        mla = utils.customize_attention_spec(DeepseekV4FlashInferMLASparseBackend, _v41_indexer_spec(128, 1))
+        utils.customize_attention_spec(DeepseekV41IndexerBackend, _v41_indexer_spec(128, 1))
+        declared = [backend.get_supported_kernel_block_sizes(spec)
+                    for backend in (DeepseekV4FlashInferMLASparseBackend, DeepseekV41IndexerBackend)
+                    for spec in (_v41_indexer_spec(64, 1), _v41_indexer_spec(64, 2))]
+        declared_swa = DeepseekSparseSWAFlashInferBackend.get_supported_kernel_block_sizes(_swa_spec(32))
+    assert (swa.block_size, swa.page_size_bytes, mla.block_size) == (64, 37440, 64)
+    assert declared == [[64], [128], [64], [128]] and declared_swa == [64]
+    assert getattr(DeepseekSparseSWAFlashInferBackend.get_supported_kernel_block_sizes, SENTINEL, False)
+    with emulated("sm100"):
+        assert DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes(_v41_indexer_spec(64, 1)) == [128]
+        (multiple,) = DeepseekSparseSWAFlashInferBackend.get_supported_kernel_block_sizes(_swa_spec(32))
+    assert isinstance(multiple, MultipleOf) and multiple.base == 32
+    assert DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes() == [128]  # no spec, no GPU: vLLM's
+
+
+def test_sm120_specs_are_customized_for_the_declarations_they_end_with(kv_fix, monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """vLLM's customization aligns block strides to the largest declared size; it runs after the declaration is set,
+    also for the first cache of each backend in a process (here with vLLM's own declarations back in place)."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekSparseSWAFlashInferBackend,
+        DeepseekV4FlashInferMLASparseBackend,
+    )
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+
+    from vllm_expert_offload.integration.kv.check import KVCheckRequest, _vllm_config
+    from vllm_expert_offload.integration.kv.model_specs import layer_specs
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    for backend in (DeepseekV4FlashInferMLASparseBackend, DeepseekV41IndexerBackend,
+                    DeepseekSparseSWAFlashInferBackend):
+        declared = backend.get_supported_kernel_block_sizes
+        monkeypatch.setattr(backend, "get_supported_kernel_block_sizes",
+                            staticmethod(getattr(declared, "__wrapped__", declared)))
+    config = _vllm_config(KVCheckRequest(DSV41_FIXTURE, 64, gpu_arch="sm120"))
+    with emulated("sm120"):
+        layers = layer_specs(config, 1, None, "sm120")
+    aligned = {(spec.block_size, spec.block_stride_alignment.base) for spec, backend in layers.values()
+               if backend.get_name() != "CompressorBackend"}
+    assert aligned == {(64, 64), (128, 128)}
+
+
+def test_spec_hook_refuses_a_backend_the_table_gives_no_kernels_on_the_gpu(kv_fix) -> None:
+    """FlashMLA's V4.1 backend has kernels on SM90 and SM100 only: on SM120 startup stops at the first spec."""
+    from vllm.models.deepseek_v41.sparse_mla import DeepseekV4FlashMLABackend
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated("sm120"), pytest.raises(KVBlockLayoutError, match=(
+            r"^FLASHMLA_SPARSE_DSV41 has no kernels on SM120: the kernel truth table .* has it on SM90: 64-token "
+            r"pages; SM100: 128-token pages\. Choose an attention backend that runs on SM120$")):
+        utils.customize_attention_spec(DeepseekV4FlashMLABackend, _v41_indexer_spec(64, 1))
 
 
 def _planned(block_size: int):
@@ -270,24 +264,34 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_kernel_hook_refuses_and_logs_one_line(kv_blocks) -> None:
+def test_kernel_hook_refuses_and_logs_one_line(kv_fix) -> None:
     from vllm.v1.worker import gpu_model_runner, utils
     from vllm.v1.worker.gpu import attn_utils
 
     refusal = r"g0 \(2 layers from l0\): block size 16 is not usable \(CPU_ATTN takes \[MultipleOf\(32\)\]\); sizes"
     with pytest.raises(KVBlockLayoutError, match=refusal + " that would work: 32,"):
         attn_utils.prepare_kernel_block_sizes(*_planned(16))  # Model Runner V2's binding
-    lines, level = _Lines(), kv_blocks.logger.level
-    kv_blocks.logger.addHandler(lines)
-    kv_blocks.logger.setLevel(logging.INFO)
+    lines, level = _Lines(), kv_fix.logger.level
+    kv_fix.logger.addHandler(lines)
+    kv_fix.logger.setLevel(logging.INFO)
     try:
         for _ in range(2):  # the profiling KV cache and the real one: logged once
             assert gpu_model_runner.prepare_kernel_block_sizes(*_planned(96)) == [96]  # V1's binding
         assert utils.prepare_kernel_block_sizes(*_planned(96)) == [96]
     finally:
-        kv_blocks.logger.removeHandler(lines)
-        kv_blocks.logger.setLevel(level)
+        kv_fix.logger.removeHandler(lines)
+        kv_fix.logger.setLevel(level)
     assert lines.lines == ["vllm-expert-offload KV block sizes per group: g0=96 [CPU_ATTN]"]
+
+
+def test_kernel_hook_names_the_gpu_in_a_refusal(kv_fix) -> None:
+    from vllm.v1.worker import utils
+
+    from vllm_expert_offload.tools.gpu_arch import emulated
+
+    with emulated("sm120"), pytest.raises(KVBlockLayoutError, match=r"KV-cache group g0 \(2 layers from l0\) on "
+                                                                     r"SM120: block size 16 is not usable"):
+        utils.prepare_kernel_block_sizes(*_planned(16))
 
 
 def test_check_kv_subcommand_is_wired() -> None:
@@ -304,55 +308,145 @@ def _check_kv_args(model: Path, block_size: int, gpu_arch: str | None = None, ba
                               gpu_arch=gpu_arch, max_model_len=8192, kv_gib=kv_gib)
 
 
-# (--gpu-arch, --attention-backend) -> the compressed (main MLA + indexer) group's line at --block-size 64 and 128.
-V41_GROUP = {
-    ("sm120", None): "36 layers, block 128, kernel 128, page 8640/17280/37440/74880 B "
-                     "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
-    ("sm100", None): "36 layers, block 128, kernel 128, page 8704/16896/18432/36864 B "
-                     "[FLASHMLA_MEGA_ATTN_DSV41, DEEPSEEK_V41_INDEXER]",
-    ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): "36 layers, block 128, kernel 128, page 8704/16896/65536/131072 B "
-                                              "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
-    ("sm90", None): "36 layers, block 64, kernel 64, page 4608/8640/19008/37440 B "
-                    "[FLASHMLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]",
+# V4.1 on each GPU and backend (--gpu-arch, --attention-backend; None: vLLM's pick) -> {--block-size: the planned
+# block of each KV-cache group}: sliding-window groups at the window's page, the compressed caches (main MLA +
+# indexer; on SM120 one group per compression ratio, at SM100 256 the ratio-2 caches apart), the compressor states.
+_SM100_FLASH = {64: [32, 32, 32, 32, 128, 8], 128: [32, 32, 32, 32, 128, 8], 256: [32, 32, 32, 32, 128, 256, 8]}
+_SM100_OTHER = {64: [32, 128, 8], 128: [32, 128, 8], 256: [32, 256, 128, 8]}
+V41_GROUPS = {
+    "v41_flash": {
+        ("sm120", None): dict.fromkeys((64, 128, 256), [64, 64, 64, 64, 64, 128, 8]),
+        ("sm100", None): _SM100_FLASH,
+        ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): _SM100_FLASH,
+        ("sm100", "FLASHMLA_SPARSE_DSV41"): _SM100_FLASH,
+        ("sm90", None): dict.fromkeys((64, 128, 256), [32, 32, 32, 32, 64, 8]),
+    },
+    "ratio2_first": {
+        ("sm120", None): dict.fromkeys((64, 128, 256), [64, 64, 64, 64, 128, 8, 64]),
+        ("sm100", None): {64: [32, 32, 128, 8], 128: [32, 32, 128, 8], 256: [32, 32, 256, 128, 8]},
+        ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"): _SM100_OTHER,
+        ("sm100", "FLASHMLA_SPARSE_DSV41"): _SM100_OTHER,
+        ("sm90", None): dict.fromkeys((64, 128, 256), [32, 32, 64, 8]),
+    },
+}
+# The kernel page, in tokens, each V4.1 cache must get on each GPU (by compression ratio; 0: sliding window), as
+# the kernel truth table's sources say: SM120 64 states per compressed page and 64-token windows (FlashInfer,
+# DeepGEMM), SM100 128-token and SM90 64-token compressed pages, windows of any multiple of 32 (vLLM's own sizes).
+V41_PAGES = {"sm120": {1: 64, 2: 128, 0: 64}, "sm100": {1: 128, 2: 128, 0: 32}, "sm90": {1: 64, 2: 64, 0: 32}}
+_PAGE_LINE = re.compile(r"^      kernel page: (\S+) (?:(\d+)-token pages|\d+ states per page \((\d+) tokens at ratio "
+                        r"(\d+)\)): (kernel exists|NO KERNEL|not checked)", flags=re.MULTILINE)
+
+
+def _kernel_pages(out: str) -> set[tuple[str, int, int, str]]:
+    """(backend, kernel page in tokens, compression ratio, verdict) of every `kernel page:` line of a report."""
+    return {(name, int(tokens or ratio_tokens), int(ratio or 1), verdict)
+            for name, tokens, ratio_tokens, ratio, verdict in _PAGE_LINE.findall(out)}
+
+
+def _v41_expected_pages(arch: str, backend: str) -> set[tuple[str, int, int, str]]:
+    pages = V41_PAGES[arch]
+    indexer = "DEEPSEEK_V41_INDEXER"
+    return {("DEEPSEEK_SPARSE_SWA", pages[0], 1, "kernel exists"), ("CompressorBackend", 8, 1, "not checked")} | {
+        (name, pages[ratio], ratio, "kernel exists") for name in (backend, indexer) for ratio in (1, 2)
+    }
+
+
+_DEFAULT_V41 = {
+    "sm120": "FLASHINFER_MLA_SPARSE_DSV41", "sm100": "FLASHMLA_MEGA_ATTN_DSV41", "sm90": "FLASHMLA_SPARSE_DSV41",
 }
 
 
-@pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize(("arch", "backend"), list(V41_GROUP))
-def test_check_kv_plans_dsv41_on_each_gpu(kv_blocks, capsys: pytest.CaptureFixture, arch: str, backend: str | None,
-                                          block_size: int) -> None:
-    """The carried V4.1 config through spec construction, planning, the engine's block sizes, the worker's
-    kernel blocks and its kernel-block views, with the fix: the compressed group gets its GPU's block, the
-    sliding-window groups keep their 32 and the compressor states their 8."""
+@pytest.mark.parametrize("pattern", ["v41_flash", "ratio2_first"])
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+@pytest.mark.parametrize(("arch", "backend"), list(V41_GROUPS["v41_flash"]))
+def test_check_kv_plans_dsv41_on_the_pages_its_kernels_have(kv_fix, capsys: pytest.CaptureFixture, v41_patterns,
+                                                            arch: str, backend: str | None, block_size: int,
+                                                            pattern: str) -> None:
+    """Every V4.1 backend on every GPU at --block-size 64, 128 and 256, through spec construction, planning, the
+    engine's block sizes, the worker's kernel blocks and its kernel-block views, with the fix: each cache's kernel
+    page is the one the kernel truth table's sources give (SM120: 64 compressed states, 64-token windows; SM90 and
+    SM100 unchanged), for the public layer pattern and another."""
     from vllm_expert_offload.tools import check_kv_cmd
 
-    assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, block_size, arch, backend, kv_gib=32.0)) == 0
+    assert check_kv_cmd.run(_check_kv_args(v41_patterns[pattern], block_size, arch, backend, kv_gib=32.0)) == 0
     out = capsys.readouterr().out
-    assert f"deepseek_v41, --block-size {block_size}, --tp 1, --gpu-arch {arch}" in out
-    assert f"  g4: {V41_GROUP[arch, backend]}" in out and out.rstrip().endswith("OK"), out
-    assert out.count("block 32, kernel 32, page") == 4 and "g5: 9 layers, block 8, kernel 8" in out
+    assert f"deepseek_v41, --block-size {block_size}, --tp 1, --gpu-arch {arch}" in out and out.rstrip().endswith("OK")
+    assert _group_blocks(out) == V41_GROUPS[pattern][arch, backend][block_size], out
+    assert _kernel_pages(out) == _v41_expected_pages(arch, backend or _DEFAULT_V41[arch]), out
 
 
-def test_dsv41_block_sizes_logged_in_one_line(kv_blocks, capsys: pytest.CaptureFixture,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def _sm120_summary(kv_fix, monkeypatch: pytest.MonkeyPatch, block_size: int) -> list[str]:
+    """check-kv on the carried V4.1 config on SM120, returning the fix's log lines (the summary line is the last)."""
     from vllm_expert_offload.tools import check_kv_cmd
 
-    monkeypatch.setattr(kv_blocks, "_logged", set())  # earlier tests logged this layout already
-    lines, level = _Lines(), kv_blocks.logger.level
-    kv_blocks.logger.addHandler(lines)
-    kv_blocks.logger.setLevel(logging.INFO)
+    monkeypatch.setattr(kv_fix, "_logged", set())  # earlier tests logged this layout already
+    monkeypatch.setattr(kv_fix, "_raised", {})  # and asked other sizes of the same caches
+    lines, level = _Lines(), kv_fix.logger.level
+    kv_fix.logger.addHandler(lines)
+    kv_fix.logger.setLevel(logging.INFO)
     try:
-        assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64, "sm120", kv_gib=32.0)) == 0
+        assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, block_size, "sm120", kv_gib=32.0)) == 0
     finally:
-        kv_blocks.logger.removeHandler(lines)
-        kv_blocks.logger.setLevel(level)
+        kv_fix.logger.removeHandler(lines)
+        kv_fix.logger.setLevel(level)
+    return lines.lines
+
+
+def test_dsv41_block_sizes_logged_in_one_line(kv_fix, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one line per start: each group's block (and what vLLM asked), backends and states per compressed page,
+    and which declarations the kernel truth table set (vLLM's own, also where earlier tests wrapped them already)."""
+    from vllm_expert_offload.integration.kv import declarations
+
+    monkeypatch.setattr(declarations, "corrected", {})
+    monkeypatch.setattr(declarations, "confirmed", set())
+    lines = _sm120_summary(kv_fix, monkeypatch, 64)
     capsys.readouterr()
-    assert "g4=128 (asked 64) [FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER]; g5=8 [CompressorBackend]" in (
-        lines.lines[-1]), lines.lines
-    assert lines.lines[-1].startswith("vllm-expert-offload KV block sizes per group: g0=32 [DEEPSEEK_SPARSE_SWA]; ")
+    swa = "=64 (asked 32) [DEEPSEEK_SPARSE_SWA]"
+    compressed = "[FLASHINFER_MLA_SPARSE_DSV41, DEEPSEEK_V41_INDEXER] 64 states/page"
+    assert lines[-1] == (
+        f"vllm-expert-offload KV block sizes per group on SM120: g0{swa}; g1{swa}; g2{swa}; g3{swa}; "
+        f"g4=64 {compressed}; g5=128 (asked 64) {compressed}; g6=8 [CompressorBackend]; "
+        "kernel pages declared from the kernel truth table: "
+        "DEEPSEEK_SPARSE_SWA at ratio 1 [MultipleOf(32)] -> [64], DEEPSEEK_V41_INDEXER at ratio 1 [128] -> [64], "
+        "FLASHINFER_MLA_SPARSE_DSV41 at ratio 1 [128] -> [64]"
+    ), lines
 
 
-def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureFixture) -> None:
+def test_vllm_declaring_the_sm120_pages_itself_is_left_alone(kv_fix, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM that declares what the kernels have (its later revision's `64 * tokens_per_state` and 64-token window
+    on SM120) plans the same groups, with nothing wrapped, and the line says so."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekSparseSWAFlashInferBackend,
+        DeepseekV4FlashInferMLASparseBackend,
+    )
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+
+    from vllm_expert_offload.integration.kv import declarations
+    from vllm_expert_offload.integration.patching import SENTINEL
+
+    def states_of_64(kv_cache_spec=None):
+        return [64 * kv_cache_spec.tokens_per_state] if kv_cache_spec is not None else [128, 64]
+
+    fixed = {DeepseekV4FlashInferMLASparseBackend: states_of_64, DeepseekV41IndexerBackend: states_of_64,
+             DeepseekSparseSWAFlashInferBackend: lambda kv_cache_spec=None: [64]}
+    for backend, declaration in fixed.items():  # what upstream's later revision declares on SM120
+        monkeypatch.setattr(backend, "get_supported_kernel_block_sizes", staticmethod(declaration))
+    monkeypatch.setattr(declarations, "corrected", {})
+    monkeypatch.setattr(declarations, "confirmed", set())
+    lines = _sm120_summary(kv_fix, monkeypatch, 128)
+    out = capsys.readouterr().out
+    assert _group_blocks(out) == [64, 64, 64, 64, 64, 128, 8] and "NO KERNEL" not in out
+    assert declarations.corrected == {}
+    assert all(backend.__dict__["get_supported_kernel_block_sizes"].__func__ is declaration
+               and not getattr(declaration, SENTINEL, False) for backend, declaration in fixed.items())
+    assert lines[-1].endswith(
+        "; vLLM's own kernel-page declarations match the kernel truth table; the plugin changed none"
+    ), lines
+
+
+def test_check_kv_refuses_dsv41_without_a_gpu(kv_fix, capsys: pytest.CaptureFixture) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
     assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
@@ -362,16 +456,24 @@ def test_check_kv_refuses_dsv41_without_a_gpu(kv_blocks, capsys: pytest.CaptureF
 
 def test_check_kv_reports_vllms_own_dsv41_errors_with_the_fix_off() -> None:
     """Upstream, on the same config: SM120 and SM100 refuse 64 in the worker; SM90 plans 128 but cannot view its
-    ratio-1 caches' packed 128-token blocks as the 64-token kernel blocks FlashMLA takes."""
+    ratio-1 caches' packed 128-token blocks as the 64-token kernel blocks FlashMLA takes; SM120 at 128 passes every
+    vLLM check on pages FlashInfer's SM120 kernels do not have (the seeds' "128 starts, the first request crashes")."""
     script = (
         "import sys; from pathlib import Path; from vllm_expert_offload.cli import main\n"
-        "for arch, size in (('sm120', 64), ('sm100', 64), ('sm90', 128)):\n"
+        "for arch, size in (('sm120', 64), ('sm100', 64), ('sm90', 128), ('sm120', 128)):\n"
         "    main(['check-kv', sys.argv[1], '--block-size', str(size), '--gpu-arch', arch, '--kv-gib', '32'])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {"VLLM_EXPERT_OFFLOAD_KV_FIX": "0"}
     run = _run([sys.executable, "-c", script, str(DSV41_FIXTURE)], env)
     out = run.stdout
-    assert out.count("KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)") == 3, _output(run)[-4000:]
+    assert out.count("KV block-size fix off (VLLM_EXPERT_OFFLOAD_KV_FIX=0)") == 4, _output(run)[-4000:]
+    sm120_128 = out[out.rindex("--block-size 128, --tp 1, --gpu-arch sm120"):]
+    assert _group_blocks(sm120_128) == [32, 32, 32, 32, 128, 8]
+    assert ("FAILED at kernel pages: KVBlockLayoutError: g0 DEEPSEEK_SPARSE_SWA 32-token pages: NO KERNEL (SM120: "
+            "64-token pages);") in sm120_128
+    assert ("g4 FLASHINFER_MLA_SPARSE_DSV41 128 states per page (128 tokens at ratio 1): NO KERNEL (SM120: 64 states "
+            "per page); g4 DEEPSEEK_V41_INDEXER 128 states per page") in sm120_128
+    assert "FLASHINFER_MLA_SPARSE_DSV41 64 states per page (128 tokens at ratio 2): kernel exists" in sm120_128
     assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: " \
            "[128])." in out
     assert "FAILED at worker kernel blocks: ValueError: No common block size for 64 (FLASHMLA_MEGA_ATTN_DSV41: " \
@@ -387,8 +489,13 @@ PATTERNS = {
     "c128_first": [128, 4, 128, 4, 0, 128, 128, 4, 128, 4, 128, 4, 0],
     "more_layers": [0] + [4, 4, 128] * 20 + [0],
 }
-# kv41_plan_repro's --attn and --cap: RTX PRO 6000 (SM120), B200 with FlashInfer and with mega attention, H200.
-DSV41_BACKENDS = [("flashinfer_sm120", 120), ("flashinfer", 100), ("mega", 100), ("flashmla", 90)]
+# kv41_plan_repro's --attn and --cap: RTX PRO 6000 (SM120), B200 with FlashInfer, mega attention and FlashMLA, H200;
+# the (--gpu-arch, --attention-backend) of the same case in V41_GROUPS.
+DSV41_BACKENDS = {
+    ("flashinfer_sm120", 120): ("sm120", None), ("flashinfer", 100): ("sm100", "FLASHINFER_MLA_SPARSE_DSV41"),
+    ("mega", 100): ("sm100", None), ("flashmla", 100): ("sm100", "FLASHMLA_SPARSE_DSV41"),
+    ("flashmla", 90): ("sm90", None),
+}
 
 
 def _dsv4_config(directory: Path, ratios: list[int]) -> Path:
@@ -417,8 +524,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
     }
     repro41 = [sys.executable, str(REPRO41), "--avail-gib", "32"]
     for attn, cap in DSV41_BACKENDS:
-        cases[f"v41 {attn}+plugin"] = [*repro41, "--plugins", "--attn", attn, "--cap", str(cap),
-                                       "--block-sizes", "64,128", "--expect-ok", "64,128"]
+        cases[f"v41 {attn} {cap}+plugin"] = [*repro41, "--plugins", "--attn", attn, "--cap", str(cap),
+                                             "--block-sizes", "64,128,256", "--expect-ok", "64,128,256"]
+    ratio2_first = _dsv41_config(data / "ratio2_first", V41_RATIO2_FIRST, V41_RATIO2_FIRST_SOURCES)
+    cases["v41 ratio2_first+plugin"] = [*repro41, "--dsv4-config", str(ratio2_first), "--plugins", "--attn",
+                                        "flashinfer_sm120", "--cap", "120", "--block-sizes", "64,128,256",
+                                        "--expect-ok", "64,128,256"]
     cases["v41 flashinfer_sm120"] = [*repro41, "--attn", "flashinfer_sm120", "--cap", "120",
                                      "--block-sizes", "64", "--expect-ok", "64"]
     for name, ratios in PATTERNS.items():
@@ -467,13 +578,22 @@ def test_flash_128_fails_in_the_worker_without_the_plugin(runs) -> None:
     assert "ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])" in out
 
 
-@pytest.mark.parametrize(("attn", "cap"), DSV41_BACKENDS)
+@pytest.mark.parametrize(("attn", "cap"), list(DSV41_BACKENDS))
 def test_dsv41_repro_passes_with_the_plugin(runs, attn: str, cap: int) -> None:
-    run = runs[f"v41 {attn}+plugin"]
-    assert run.returncode == 0 and "expect-ok [64, 128]: all OK" in run.stdout, _output(run)[-4000:]
-    compressed = 64 if cap == 90 else 128
-    for size in (64, 128):
-        assert f"bs={size:<4} layout=BLHNC group_bs=[32, 32, 32, 32, {compressed}, 8]" in run.stdout, run.stdout[-4000:]
+    """vLLM's own planning and worker checks, with the plugin loaded as vLLM loads it: the groups check-kv plans
+    (V41_GROUPS), at 64, 128 and 256. On SM120 these are pages FlashInfer's SM120 kernels have; elsewhere unchanged."""
+    run = runs[f"v41 {attn} {cap}+plugin"]
+    assert run.returncode == 0 and "expect-ok [64, 128, 256]: all OK" in run.stdout, _output(run)[-4000:]
+    for size, groups in V41_GROUPS["v41_flash"][DSV41_BACKENDS[attn, cap]].items():
+        assert f"bs={size:<4} layout=BLHNC group_bs={groups}" in run.stdout, run.stdout[-4000:]
+
+
+def test_dsv41_repro_plans_another_layer_pattern_on_sm120(runs) -> None:
+    run = runs["v41 ratio2_first+plugin"]
+    assert run.returncode == 0 and "expect-ok [64, 128, 256]: all OK" in run.stdout, _output(run)[-4000:]
+    for size, groups in V41_GROUPS["ratio2_first"]["sm120", None].items():
+        assert f"bs={size:<4} layout=BLHNC group_bs={groups}" in run.stdout, run.stdout[-4000:]
+    assert "swa_cache:page=37440" in run.stdout and "swa_cache:page=19008" not in run.stdout  # 64-token windows
 
 
 def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
@@ -485,7 +605,7 @@ def test_dsv41_repro_fails_at_64_on_sm120_without_the_plugin(runs) -> None:
 
 
 
-def test_check_kv_in_process_for_a_pattern(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_check_kv_in_process_for_a_pattern(kv_fix, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from vllm_expert_offload.tools import check_kv_cmd
 
     model = _dsv4_config(tmp_path / "c128_first", PATTERNS["c128_first"])
@@ -504,7 +624,7 @@ def _group_blocks(out: str) -> list[int]:
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256])
-def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.CaptureFixture, block_size: int) -> None:
+def test_check_kv_plans_dsv4_flash_at_every_size(kv_fix, capsys: pytest.CaptureFixture, block_size: int) -> None:
     """Twin of the repro's flash+plugin case: with the fix, the compressed group gets its 256-token pages while
     the sliding-window groups keep 64 and the compressor states 4 and 8, whatever --block-size asks."""
     from vllm_expert_offload.tools import check_kv_cmd
@@ -513,12 +633,31 @@ def test_check_kv_plans_dsv4_flash_at_every_size(kv_blocks, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert f"deepseek_v4, --block-size {block_size}, --tp 1" in out and out.rstrip().endswith("OK"), out
     assert _group_blocks(out) == [64, 64, 256, 4, 8], out
-    assert "g2: 62 layers, block 256, kernel 256, page 1728/8640/37440 B [DEEPSEEK_V4_INDEXER, FLASHMLA_SPARSE_DSV4]" in out
+    assert ("g2: 62 layers, block 256, kernel 256, page 1728/8640/37440 B [DEEPSEEK_V4_INDEXER, FLASHMLA_SPARSE_DSV4]"
+            in out)
+
+
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_check_kv_plans_dsv4_on_sm120_on_pages_its_kernels_have(kv_fix, capsys: pytest.CaptureFixture,
+                                                               block_size: int) -> None:
+    """DeepSeek-V4 on SM120 runs FlashInfer's SM120 kernels (`_select_dsv4_attn_cls`): its model-fixed 64-token
+    window and 256-token compressed blocks (64 states at ratio 4, 2 at ratio 128) are pages they have."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    assert check_kv_cmd.run(_check_kv_args(DSV4_FIXTURE, block_size, "sm120", kv_gib=32.0)) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and _group_blocks(out) == [64, 64, 256, 4, 8], out
+    assert _kernel_pages(out) == {
+        ("DEEPSEEK_SPARSE_SWA", 64, 1, "kernel exists"), ("DEEPSEEK_V4_INDEXER", 256, 4, "kernel exists"),
+        ("FLASHINFER_MLA_SPARSE_DSV4", 256, 4, "kernel exists"),
+        ("FLASHINFER_MLA_SPARSE_DSV4", 256, 128, "kernel exists"),
+        ("CompressorBackend", 4, 1, "not checked"), ("CompressorBackend", 8, 1, "not checked"),
+    }, out
 
 
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
+def test_check_kv_plans_dsv4_layer_patterns(kv_fix, tmp_path: Path, capsys: pytest.CaptureFixture, pattern: str,
                                            block_size: int) -> None:
     """Twin of the repro's c128_first+plugin and more_layers+plugin cases: other layer orders plan too."""
     from vllm_expert_offload.tools import check_kv_cmd
@@ -531,7 +670,7 @@ def test_check_kv_plans_dsv4_layer_patterns(kv_blocks, tmp_path: Path, capsys: p
 
 
 @pytest.mark.parametrize(("requested", "planned"), [(16, 32), (32, 32), (64, 64), (128, 128), (256, 256)])
-def test_check_kv_plans_qwen_on_the_cpu_backend(kv_blocks, capsys: pytest.CaptureFixture, requested: int,
+def test_check_kv_plans_qwen_on_the_cpu_backend(kv_fix, capsys: pytest.CaptureFixture, requested: int,
                                                 planned: int) -> None:
     """Twin of the repro's Qwen3-MoE summary: CPU_ATTN takes multiples of 32, so 16 is raised to 32 (upstream
     refuses it, see the fix-off test below) and every multiple of 32 is kept."""
@@ -547,11 +686,13 @@ def test_check_kv_plans_qwen_on_the_cpu_backend(kv_blocks, capsys: pytest.Captur
 UPSTREAM_CASES = {
     "flash 64": ("deepseek_v4_flash", 64, [], "FAILED at engine planning: ZeroDivisionError"),
     "flash 128": ("deepseek_v4_flash", 128, [],
-                  "FAILED at worker kernel blocks: ValueError: No common block size for 128 (DEEPSEEK_V4_INDEXER: [256])."),
+                  "FAILED at worker kernel blocks: ValueError: No common block size for 128 "
+                  "(DEEPSEEK_V4_INDEXER: [256])."),
     "c128_first 64": ("c128_first", 64, [], "FAILED at engine planning: ZeroDivisionError"),
     "more_layers 64": ("more_layers", 64, [], "FAILED at engine planning: ZeroDivisionError"),
     "qwen 16": ("qwen3_30b_a3b", 16, ["--attention-backend", "CPU_ATTN"],
-                "FAILED at worker kernel blocks: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."),
+                "FAILED at worker kernel blocks: ValueError: No common block size for 16 "
+                "(CPU_ATTN: [MultipleOf(32)])."),
 }
 
 

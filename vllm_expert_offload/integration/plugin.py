@@ -21,7 +21,7 @@ def register_plugin() -> None:
     from .methods.decoded_at_load import install as install_decoded_at_load
 
     install_decoded_at_load()
-    # Startup fix: KV-cache block sizes each attention backend can use (kv_blocks.py; off with
+    # Startup fix: KV-cache block sizes each attention backend can use (integration/kv/fix.py; off with
     # VLLM_EXPERT_OFFLOAD_KV_FIX=0).
     from .kv.fix import install as install_kv_block_fix
 

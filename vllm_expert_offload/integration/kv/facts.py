@@ -1,4 +1,4 @@
-"""Translate vLLM's KV-cache objects into the facts kv_block_rules decides on.
+"""Translate vLLM's KV-cache objects into the facts kv/rules.py decides on.
 
 Kept apart from the rules so that those stay importable and testable without vLLM, and apart from the hooks
 so that the `check-kv` tool describes groups exactly as the startup fix sees them.
@@ -19,7 +19,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import AttentionGroup
 
-from .rules import BackendSizes, GroupFacts, KVBlockLayoutError, Member
+from ...kv.rules import BackendSizes, GroupFacts, KVBlockLayoutError, Member
+from .declarations import gpu_label
 
 # The `model_version` DeepSeek-V4 and V4.1 put on their attention specs (main MLA and sliding-window caches),
 # checked on vLLM 0.32 and 0.33 (`models/deepseek_v4/attention.py`, `models/deepseek_v41/attention.py`,
@@ -71,7 +72,7 @@ def layer_group(backend: type[AttentionBackend], spec: AttentionSpec) -> GroupFa
     name = f"{type(spec).__name__} layers on {backend.get_name()}"
     if spec.tokens_per_state > 1:
         name += f" (compression ratio {spec.tokens_per_state})"
-    return GroupFacts(name, (member(backend, spec),), spec.block_size, packed)
+    return GroupFacts(name, (member(backend, spec),), spec.block_size, packed, gpu_label())
 
 
 def resized(spec: AttentionSpec, block_size: int) -> AttentionSpec:
@@ -133,5 +134,5 @@ def planned_groups(kv_cache_config: KVCacheConfig, attn_groups: list[list[Attent
         members = tuple(member(ag.backend, ag.kv_cache_spec) for ag in attn_groups[gid])
         name = f"g{gid} ({len(group.layer_names)} layers from {group.layer_names[0]})"
         packed = is_packed(kv_cache_config, group.layer_names)
-        facts[gid] = GroupFacts(name, members, group.kv_cache_spec.block_size, packed)
+        facts[gid] = GroupFacts(name, members, group.kv_cache_spec.block_size, packed, gpu_label())
     return facts

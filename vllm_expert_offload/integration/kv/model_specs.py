@@ -2,8 +2,8 @@
 
 For the `check-kv` tool. Each spec passes through `vllm.v1.worker.utils.customize_attention_spec`, looked up at call
 time as the model runner does, so the startup fix (when installed) shapes it exactly as it would in a worker.
-DeepSeek-V4 is modelled on its CUDA FlashMLA path (the deployment being checked); DeepSeek-V4.1 on the attention
-class vLLM's CUDA model picks for the GPU (or the one named). Their attention layers need CUDA to construct, so
+DeepSeek-V4 and V4.1 are modelled on the attention class vLLM's CUDA model picks for the GPU (or the one named;
+V4 without a GPU on its FlashMLA path). Their attention layers need CUDA to construct, so
 `get_kv_cache_spec` runs unbound on a stand-in carrying the fields it reads. Other models are taken as standard
 decoders: full attention, or sliding window where `layer_types` says so.
 """
@@ -41,7 +41,48 @@ def _compress_ratios(hf_config) -> list[int]:
     return list(get_compress_ratios(hf_config))
 
 
-def deepseek_v4_specs(vllm_config: VllmConfig) -> LayerSpecs:
+# DeepSeek-V4 and V4.1's CUDA attention classes by the backend they run (vllm/models/<model>/nvidia/, 0.32 and
+# 0.33): model -> backend name -> (module, class on SM120, class elsewhere).
+ATTENTION_CLASSES = {
+    "deepseek_v4": {
+        "FLASHMLA_SPARSE_DSV4": ("flashmla", "DeepseekV4FlashMLAAttention", "DeepseekV4FlashMLAAttention"),
+        "FLASHINFER_MLA_SPARSE_DSV4": (
+            "flashinfer_sparse", "DeepseekV4FlashInferSM120Attention", "DeepseekV4FlashInferMLAAttention",
+        ),
+    },
+    "deepseek_v41": {
+        "FLASHMLA_SPARSE_DSV41": ("flashmla", "DeepseekV4FlashMLAAttention", "DeepseekV4FlashMLAAttention"),
+        "FLASHMLA_MEGA_ATTN_DSV41": (
+            "flash_mla_mega_attn", "DeepseekV4MegaAttnAttention", "DeepseekV4MegaAttnAttention",
+        ),
+        "FLASHINFER_MLA_SPARSE_DSV41": (
+            "flashinfer_sparse", "DeepseekV4FlashInferSM120Attention", "DeepseekV4FlashInferMLAAttention",
+        ),
+    },
+}
+# What vLLM picks without --attention-backend: V4 (`_select_dsv4_attn_cls`, deepseek_v4/nvidia/model.py) FlashInfer
+# on SM12x, FlashMLA otherwise; V4.1 (deepseek_v41/nvidia/model.py) FlashInfer on SM12x, mega attention on SM100
+# (where the build and the TP split allow it, else FlashMLA), FlashMLA otherwise.
+DEFAULT_BACKEND = {
+    "deepseek_v4": {"sm90": "FLASHMLA_SPARSE_DSV4", "sm100": "FLASHMLA_SPARSE_DSV4",
+                    "sm120": "FLASHINFER_MLA_SPARSE_DSV4", None: "FLASHMLA_SPARSE_DSV4"},
+    "deepseek_v41": {"sm90": "FLASHMLA_SPARSE_DSV41", "sm100": "FLASHMLA_MEGA_ATTN_DSV41",
+                     "sm120": "FLASHINFER_MLA_SPARSE_DSV41"},
+}
+
+
+def attention_class(model_type: str, gpu_arch: str | None, backend_name: str | None) -> type:
+    """The attention layer class a CUDA worker on `gpu_arch` builds for `backend_name` (None: vLLM's default)."""
+    classes = ATTENTION_CLASSES[model_type]
+    name = backend_name or DEFAULT_BACKEND[model_type][gpu_arch]
+    if name not in classes:
+        raise ValueError(f"--attention-backend {name}: {model_type} runs on {', '.join(classes)} (vLLM 0.32, 0.33)")
+    module, on_sm120, elsewhere = classes[name]
+    found = importlib.import_module(f"vllm.models.{model_type}.nvidia.{module}")
+    return getattr(found, on_sm120 if gpu_arch == "sm120" else elsewhere)
+
+
+def deepseek_v4_specs(vllm_config: VllmConfig, gpu_arch: str | None, backend_name: str | None) -> LayerSpecs:
     """Every KV cache a DeepSeek-V4 decoder layer registers (attention.py, compressor.py): a sliding-window
     cache in every layer; for compressed layers the compressed MLA cache and its compressor state; for
     ratio-4 layers also the indexer's key cache and compressor state."""
@@ -51,13 +92,12 @@ def deepseek_v4_specs(vllm_config: VllmConfig) -> LayerSpecs:
         _resolve_dsv4_kv_cache_dtype,
     )
     from vllm.models.deepseek_v4.compressor import CompressorBackend, CompressorStateCache
-    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
     from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     hf = vllm_config.model_config.hf_config
     cache_config = vllm_config.cache_config
-    layer_cls = DeepseekV4FlashMLAAttention
+    layer_cls = attention_class("deepseek_v4", gpu_arch, backend_name)
     kv_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(
         layer_cls.use_fp8_ds_mla_layout, cache_config.cache_dtype, cache_config
     )
@@ -99,34 +139,6 @@ def deepseek_v4_specs(vllm_config: VllmConfig) -> LayerSpecs:
     return out
 
 
-# DeepSeek-V4.1's CUDA attention classes by the backend they run (vllm/models/deepseek_v41/nvidia/, 0.32 and 0.33):
-# backend name -> (module, class on SM120, class elsewhere).
-_V41_ATTENTION = {
-    "FLASHMLA_SPARSE_DSV41": ("flashmla", "DeepseekV4FlashMLAAttention", "DeepseekV4FlashMLAAttention"),
-    "FLASHMLA_MEGA_ATTN_DSV41": ("flash_mla_mega_attn", "DeepseekV4MegaAttnAttention", "DeepseekV4MegaAttnAttention"),
-    "FLASHINFER_MLA_SPARSE_DSV41": (
-        "flashinfer_sparse", "DeepseekV4FlashInferSM120Attention", "DeepseekV4FlashInferMLAAttention",
-    ),
-}
-# What `_select_dsv4_attn_cls` (nvidia/model.py) picks without --attention-backend: FlashInfer on SM12x, mega
-# attention on SM100 (where the build and the TP split allow it, else FlashMLA), FlashMLA otherwise.
-V41_DEFAULT_BACKEND = {
-    "sm90": "FLASHMLA_SPARSE_DSV41", "sm100": "FLASHMLA_MEGA_ATTN_DSV41", "sm120": "FLASHINFER_MLA_SPARSE_DSV41",
-}
-
-
-def deepseek_v41_attention_class(gpu_arch: str, backend_name: str | None) -> type:
-    """The V4.1 attention layer class a CUDA worker on `gpu_arch` builds for `backend_name` (None: vLLM's default)."""
-    name = backend_name or V41_DEFAULT_BACKEND[gpu_arch]
-    if name not in _V41_ATTENTION:
-        raise ValueError(
-            f"--attention-backend {name}: DeepSeek-V4.1 runs on {', '.join(_V41_ATTENTION)} (vLLM 0.32, 0.33)"
-        )
-    module, on_sm120, elsewhere = _V41_ATTENTION[name]
-    classes = importlib.import_module(f"vllm.models.deepseek_v41.nvidia.{module}")
-    return getattr(classes, on_sm120 if gpu_arch == "sm120" else elsewhere)
-
-
 def deepseek_v41_specs(vllm_config: VllmConfig, gpu_arch: str, backend_name: str | None) -> LayerSpecs:
     """Every KV cache a DeepSeek-V4.1 decoder layer registers, in `DeepseekV4Attention.__init__` order
     (deepseek_v41/attention.py): the main MLA cache of kv-source layers (compress ratio 1 or 2), the indexer's
@@ -149,7 +161,7 @@ def deepseek_v41_specs(vllm_config: VllmConfig, gpu_arch: str, backend_name: str
 
     hf = vllm_config.model_config.hf_text_config
     cache_config = vllm_config.cache_config
-    layer_cls = deepseek_v41_attention_class(gpu_arch, backend_name)
+    layer_cls = attention_class("deepseek_v41", gpu_arch, backend_name)
     packed_dtype = layer_cls.packed_kv_cache_dtype.fget(None)  # a constant per class
     kv_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(
         layer_cls.use_fp8_ds_mla_layout, cache_config.cache_dtype, cache_config, packed_dtype
@@ -235,7 +247,7 @@ def layer_specs(vllm_config: VllmConfig, tp: int, backend_name: str | None, gpu_
             )
         return deepseek_v41_specs(vllm_config, gpu_arch, backend_name)
     if hf.model_type == "deepseek_v4":
-        return deepseek_v4_specs(vllm_config)
+        return deepseek_v4_specs(vllm_config, gpu_arch, backend_name)
     if getattr(hf, "kv_lora_rank", None):
         raise ValueError(f"check-kv models DeepSeek-V4, V4.1 and standard attention; {hf.model_type} uses MLA")
     return standard_specs(vllm_config, tp, backend_name or "FLASH_ATTN")

@@ -31,7 +31,6 @@ from ...exl3.validate import CheckpointSummary
 from ..patching import Hook
 
 logger = logging.getLogger("vllm.expert_offload")
-CHECKED_ON = ("0.32", "0.33")
 LOADER = "vllm.model_executor.model_loader.default_loader"
 
 
@@ -109,8 +108,7 @@ def _wrap_get_all_weights(original):
     return get_all_weights
 
 
-HOOK = Hook(LOADER, "DefaultModelLoader.get_all_weights", ("self", "model_config", "model"), CHECKED_ON,
-            _wrap_get_all_weights)
+HOOK = Hook(LOADER, "DefaultModelLoader.get_all_weights", ("self", "model_config", "model"), _wrap_get_all_weights)
 
 
 def install() -> bool:

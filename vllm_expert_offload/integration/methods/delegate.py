@@ -24,8 +24,8 @@ from vllm.model_executor.layers.quantization import get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from ...exl3.contract import KEY, MixedContract
+from ..versions import VERIFIED_VLLM, refusal
 
-CHECKED_ON = ("0.32", "0.33")
 # What ModelConfig._verify_quantization reads from `self` (vLLM 0.32/0.33): the stand-in provides exactly these.
 VERIFY_READS = ("self.quantization", "self.model_arch_config.quantization_config", "self.hf_config",
                 "override_quantization_method")
@@ -33,9 +33,9 @@ VERIFY_READS = ("self.quantization", "self.model_arch_config.quantization_config
 
 def _check_version() -> None:
     version = importlib.metadata.version("vllm")
-    if not version.startswith(CHECKED_ON):
+    if refusal(version) is not None:
         raise RuntimeError(f"vllm-expert-offload: the delegate resolution follows ModelConfig._verify_quantization of "
-                           f"vLLM {'/'.join(CHECKED_ON)}; found vLLM {version}. Re-check config/model.py first.")
+                           f"vLLM {'/'.join(VERIFIED_VLLM)}; found vLLM {version}. Re-check config/model.py first.")
     source = inspect.getsource(ModelConfig._verify_quantization)
     missing = [name for name in VERIFY_READS if name not in source]
     if missing:

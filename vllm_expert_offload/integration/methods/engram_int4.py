@@ -26,7 +26,6 @@ from ...exl3.engram import SCALE_BLOCK, EngramFormat, EngramTable
 from ..patching import Hook
 
 logger = logging.getLogger("vllm.expert_offload")
-CHECKED_ON = ("0.32", "0.33")
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 
 
@@ -157,6 +156,6 @@ def install(tables: Mapping[int, EngramTable]) -> bool:
     """Serve the MXINT-4 tables among `tables` (layer -> table, from the pack's validated headers)."""
     if not any(t.format is EngramFormat.MXINT4 for t in tables.values()):
         return False
-    hook = Hook(ENGRAM, "Engram._create_embedding", ("self", "layout", "layer_hash_index"), CHECKED_ON,
+    hook = Hook(ENGRAM, "Engram._create_embedding", ("self", "layout", "layer_hash_index"),
                 _wrap_create_embedding(dict(tables)))
     return hook.install()

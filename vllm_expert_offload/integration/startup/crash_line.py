@@ -11,12 +11,11 @@ it; so the margin is what stays free beyond that headroom.
 from __future__ import annotations
 
 import functools
-import sys
+from collections.abc import Callable
 
 from ...errors import ExpertOffloadError
-from ..patching import SENTINEL, require_checked_version
+from ..patching import Hook, require_checked_version
 
-CHECKED_ON = ("0.32", "0.33")
 GIB = 1 << 30
 
 
@@ -70,32 +69,34 @@ def check_crash_line(
     )
 
 
+def _wrap_initialize_from_config(min_free_fraction: float, gpu_expert_sizes: list[int]) -> Callable:
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def initialize_from_config(self, kv_cache_config):
+            result = original(self, kv_cache_config)
+            import torch
+
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                check_crash_line(
+                    free, total, min_free_fraction, self.cache_config.gpu_memory_utilization, gpu_expert_sizes,
+                    activation_headroom=int(getattr(self, "peak_activation_memory", 0)),
+                    kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
+                )
+            return result
+
+        return initialize_from_config
+
+    return wrap
+
+
 def install_crash_line(min_free_fraction: float, gpu_expert_sizes: list[int]) -> bool:
     """Check the line right after the GPU worker allocates its KV cache (CUDA only: a CPU engine's "device"
-    memory is the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE)."""
-    require_checked_version("the crash-line hook", CHECKED_ON)
-    module = sys.modules.get("vllm.v1.worker.gpu_worker")
-    if module is None:
-        return False
-    worker = module.Worker
-    original = worker.initialize_from_config
-    if getattr(original, SENTINEL, False):
-        return False
-
-    @functools.wraps(original)
-    def initialize_from_config(self, kv_cache_config):
-        result = original(self, kv_cache_config)
-        import torch
-
-        if torch.cuda.is_available() and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            check_crash_line(
-                free, total, min_free_fraction, self.cache_config.gpu_memory_utilization, gpu_expert_sizes,
-                activation_headroom=int(getattr(self, "peak_activation_memory", 0)),
-                kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
-            )
-        return result
-
-    setattr(initialize_from_config, SENTINEL, True)
-    worker.initialize_from_config = initialize_from_config
-    return True
+    memory is the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE). False when this process has no GPU
+    worker loaded or the hook is in already."""
+    require_checked_version("the crash-line hook")
+    hook = Hook(
+        "vllm.v1.worker.gpu_worker", "Worker.initialize_from_config", ("self", "kv_cache_config"),
+        _wrap_initialize_from_config(min_free_fraction, gpu_expert_sizes), loaded_only=True,
+    )
+    return hook.install()

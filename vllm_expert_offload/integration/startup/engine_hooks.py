@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
+from collections.abc import Callable
 
 from ...offload.options import OffloadOptions, parse_offload_options
-from ..patching import SENTINEL, require_checked_version
+from ..patching import Hook, require_checked_version
 from .readiness import run_async, run_sync
 from .stats_saver import saving_stats
-
-CHECKED_ON = ("0.32", "0.33")
 
 
 def checked_options(engine_args) -> OffloadOptions:
@@ -25,11 +23,8 @@ def checked_options(engine_args) -> OffloadOptions:
     return parse_offload_options(getattr(engine_args, "additional_config", None))
 
 
-def _wrap_engine_factory(llm_engine_cls) -> bool:
+def _wrap_engine_factory(original: Callable) -> Callable:
     """LLMEngine.from_engine_args(engine_args, ...): what `LLM(...)` builds its engine with."""
-    original = llm_engine_cls.__dict__["from_engine_args"].__func__
-    if getattr(original, SENTINEL, False):
-        return False
 
     @functools.wraps(original)
     def from_engine_args(cls, engine_args, *args, **kwargs):
@@ -38,17 +33,12 @@ def _wrap_engine_factory(llm_engine_cls) -> bool:
         run_sync(engine)
         return engine
 
-    setattr(from_engine_args, SENTINEL, True)
-    llm_engine_cls.from_engine_args = classmethod(from_engine_args)
-    return True
+    return from_engine_args
 
 
-def _wrap_async_builder(entry) -> bool:
+def _wrap_async_builder(original: Callable) -> Callable:
     """build_async_engine_client_from_engine_args(engine_args, *, usage_context, client_config): `vllm serve`'s
     engine client, alive exactly as long as the server serves."""
-    original = entry.build_async_engine_client_from_engine_args
-    if getattr(original, SENTINEL, False):
-        return False
 
     @contextlib.asynccontextmanager
     async def build_async_engine_client_from_engine_args(engine_args, *args, **kwargs):
@@ -59,20 +49,21 @@ def _wrap_async_builder(entry) -> bool:
             async with saving_stats(client, options, client_index):
                 yield client
 
-    setattr(build_async_engine_client_from_engine_args, SENTINEL, True)
-    entry.build_async_engine_client_from_engine_args = build_async_engine_client_from_engine_args
-    return True
+    return build_async_engine_client_from_engine_args
+
+
+# The engine factories, where the API (or LLM) process has them loaded before plugins load; engine-core and
+# worker processes have neither, so both act only where their module is loaded.
+HOOKS = (
+    Hook("vllm.v1.engine.llm_engine", "LLMEngine.from_engine_args",
+         ("cls", "engine_args", "usage_context", "stat_loggers", "enable_multiprocessing"), _wrap_engine_factory,
+         loaded_only=True),
+    Hook("vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client_from_engine_args",
+         ("engine_args", "usage_context", "client_config"), _wrap_async_builder, loaded_only=True),
+)
 
 
 def install() -> int:
-    """Wrap the engine factories already imported in this process (the API/LLM process imports them before
-    plugins load); engine-core and worker processes have neither."""
-    require_checked_version("the engine construction hooks", CHECKED_ON)
-    wrapped = 0
-    llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
-    if llm_engine is not None:
-        wrapped += _wrap_engine_factory(llm_engine.LLMEngine)
-    entry = sys.modules.get("vllm.entrypoints.launchers.api_server.entry")
-    if entry is not None:
-        wrapped += _wrap_async_builder(entry)
-    return wrapped
+    """Wrap the engine factories already imported in this process; returns how many were wrapped now."""
+    require_checked_version("the engine construction hooks")
+    return sum(hook.install() for hook in HOOKS)

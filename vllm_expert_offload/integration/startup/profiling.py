@@ -18,7 +18,6 @@ import torch
 from ...offload.phase import profiling_pass
 from ..patching import SENTINEL, HookError, require_checked_version
 
-CHECKED_ON = ("0.32", "0.33")
 # (module, class) of the model runners whose profile_run sizes the KV cache: V1 (CPU runs it too) and V2.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"), ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"))
 
@@ -36,7 +35,7 @@ def _flagged(profile_run):
 def install_profile_flag() -> int:
     """Wrap `profile_run` of each runner class already imported in this process (call from a worker, where
     the runner module is loaded before the model is built). Returns how many classes were wrapped now."""
-    require_checked_version("the profile_run hook", CHECKED_ON)
+    require_checked_version("the profile_run hook")
     wrapped = 0
     for module_name, class_name in RUNNERS:
         module = sys.modules.get(module_name)

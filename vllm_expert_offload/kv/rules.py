@@ -1,7 +1,7 @@
 """Which KV-cache block size each group can use: the decision alone, free of vLLM objects.
 
-The startup fix (kv_blocks.py), the `check-kv` tool and the unit tests all call these functions, so the rule
-that runs at startup is the rule the tests exercise. The rule mirrors what vLLM's worker does with a block
+The startup fix (integration/kv/fix.py), the `check-kv` tool and the unit tests all call these functions, so the
+rule that runs at startup is the rule the tests exercise. The rule mirrors what vLLM's worker does with a block
 size (`select_common_block_size`, `AttentionGroup.create_metadata_builders`, kernel-block mapping of packed
 caches) and adds the check vLLM lacks: a compressed cache must hold whole compressed states per kernel block,
 otherwise DeepSeek-V4's ratio-128 layers get 0-byte pages at `--block-size 64` and the engine divides by zero.
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ...errors import ExpertOffloadError
+from ..errors import ExpertOffloadError
 
 # Candidate sizes beyond the requested one and the backends' own: powers of two up to this many tokens.
 LARGEST_CANDIDATE = 4096
@@ -80,13 +80,14 @@ class GroupFacts:
     model-fixed size for the others (DeepSeek-V4's sliding window 64, compressor states 4 and 8).
     `packed` is true when other layers' pages sit between this group's blocks (block-outermost layouts):
     vLLM then splits a block into kernel blocks per backend, and only compressed caches whose smaller pages
-    need no padding can be split.
+    need no padding can be split. `gpu` names the GPU family the backends' sizes are for ("SM120"), if any.
     """
 
     name: str
     members: tuple[Member, ...]
     requested: int
     packed: bool = False
+    gpu: str = ""
 
 
 def _kernel_for(backends: Sequence[BackendSizes], size: int) -> int | None:
@@ -142,8 +143,9 @@ def refusal(group: GroupFacts, workable: Sequence[int]) -> str:
     members = "; ".join(m.describe() for m in group.members)
     works = ", ".join(map(str, workable)) if workable else "none (no size fits every backend and ratio)"
     packed = ", blocks packed block-outermost" if group.packed else ""
+    gpu = f" on {group.gpu}" if group.gpu else ""
     return (
-        f"KV-cache group {group.name}: block size {group.requested} is not usable ({members}{packed}); "
+        f"KV-cache group {group.name}{gpu}: block size {group.requested} is not usable ({members}{packed}); "
         f"sizes that would work: {works}"
     )
 
