@@ -56,6 +56,11 @@ def extension():
         raise CpuKernelUnavailable(f"building {CSRC.name}/ failed: {type(exc).__name__}: {exc}") from exc
 
 
+def kernel_sources() -> tuple[Path, ...]:
+    """The C++ files the extension is built from (what a fixture encoded by its Viterbi search depends on)."""
+    return SOURCES
+
+
 def cpu_kernel_unavailable() -> str | None:
     """None when the CPU kernel is built and loadable, else why not (the build is attempted once)."""
     try:
