@@ -247,6 +247,14 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_glue(
         linear.forward(x)
 
 
+@pytest.mark.parametrize("pattern", ["item", "bool of a tensor", "boolean-mask indexing", "nonzero", "unique",
+                                     "bincount", "repeat_interleave without output_size"])
+def test_op_name_net_catches_the_patterns_it_names(pattern: str) -> None:
+    ids = torch.tensor([[0, 2], [1, 3]])
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        BAD_PATTERNS[pattern](ids)
+
+
 @pytest.mark.parametrize("tokens", [3, 20])
 def test_forward_makes_no_host_synchronisation_by_op_name(full_layer, backend: MatmulBackend, tokens: int) -> None:
     """The second net, on real tensors: no forbidden op is dispatched (NoHostSync names them)."""
