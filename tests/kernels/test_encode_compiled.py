@@ -1,4 +1,4 @@
-"""The compiled Viterbi (csrc/exl3_viterbi.cpp) against the torch one in exl3/encode.py: same states, bit for bit.
+"""The compiled Viterbi (vllm_expert_offload/csrc/exl3_viterbi.inc) against the torch one in exl3/encode.py: same states, bit for bit.
 
 Encoded checkpoints must not depend on whether the machine that quantized them had a compiler, so every K and
 codebook is compared on tiles that stress the float details: ties (codebook values repeat, exact-hit and

@@ -16,9 +16,10 @@ from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
 from vllm_expert_offload.exl3.decode import dequantize_kn
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels import exllamav3_backend
-from vllm_expert_offload.kernels.contract import ExpertCrop
+from vllm_expert_offload.kernels.contract import ExpertCrop, LinearLayer
 from vllm_expert_offload.kernels.exllamav3_backend import MOE_ROWS, SIGNATURES, Exllamav3Linear, Exllamav3MoE
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
+from vllm_expert_offload.kernels.oracle import BackendUnavailable, KernelChoice, build_linear_kernel
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
@@ -244,3 +245,42 @@ def test_glue_makes_no_host_synchronisation_by_op_name(tokens: int) -> None:
     with NoHostSync():
         layer.forward(x, weights, ids, False)
         linear.forward(torch.randn(tokens, 128))
+
+
+def _half_k_set(codebook: Codebook, name: str) -> Exl3Linear:
+    """A 2.5-bit set under `codebook`, built directly (a checkpoint's sets are refused at parse unless MUL1)."""
+    return replace(random_linear(torch.Generator().manual_seed(2), HIDDEN, HIDDEN, 2.5), name=name, codebook=codebook)
+
+
+def test_half_integer_k_is_taken_with_mul1_and_refused_by_name_with_any_other_codebook(fake_ext) -> None:
+    """exl3_moe_coop.cu, exl3_moe.cu and exl3_gemm.cu refuse half-integer K unless the codebook is MUL1."""
+    layer = _layer(fake_ext)
+    crop = ExpertCrop(HIDDEN - 32, HIDDEN, 0)
+    mul1 = [replace(e, projections={**e.projections, "down": _half_k_set(Codebook.MUL1, f"experts.{i}.down")})
+            for i, e in enumerate(layer.experts)]
+    assert exllamav3_backend.moe_refusal(mul1, crop, None) is None
+    mcg = [replace(e, projections={p: _half_k_set(Codebook.MCG, f"experts.{i}.{p}") for p in PROJECTIONS})
+           for i, e in enumerate(layer.experts)]
+    why = exllamav3_backend.moe_refusal(mcg, crop, None)
+    assert why == "experts.0.gate: its kernels take half-integer K=2.5 with the MUL1 codebook only, and this set is mcg"
+    with pytest.raises(ValueError, match="cannot compute this layer: experts.0.gate: .*half-integer K=2.5"):
+        Exllamav3MoE(mcg, layer.pointer_tables, None, crop, CPU, ext=fake_ext)
+    shard = LinearShard(_half_k_set(Codebook.MCG, "model.layers.0.self_attn.o_proj"), 0, HIDDEN, HIDDEN, 0, HIDDEN)
+    assert "o_proj: its kernels take half-integer K=2.5" in exllamav3_backend.linear_refusal([shard])
+    with pytest.raises(ValueError, match="cannot compute this linear: model.layers.0.self_attn.o_proj"):
+        Exllamav3Linear([shard], CPU, ext=fake_ext)
+    assert exllamav3_backend.linear_refusal([replace(shard, layer=_half_k_set(Codebook.MUL1, "o"))]) is None
+    assert "K=5.5 is not a rate" in exllamav3_backend.rate_refusal(replace(shard.layer, k=5.5))
+    assert fake_ext.calls == []  # refused before anything was launched
+
+
+def test_a_linear_exllamav3_refuses_falls_back_in_auto_and_is_refused_when_asked_for(monkeypatch, fake_ext) -> None:
+    monkeypatch.setattr(exllamav3_backend, "load_ext", lambda: fake_ext)
+    refused = [LinearShard(_half_k_set(Codebook.MCG, "model.layers.3.mlp.down_proj"), 0, HIDDEN, HIDDEN, 0, HIDDEN)]
+    taken = [LinearShard(random_linear(torch.Generator(), HIDDEN, HIDDEN, 4), 0, HIDDEN, HIDDEN, 0, HIDDEN)]
+    auto = KernelChoice("exllamav3", "exllamav3", "test", fallback="torch")
+    assert isinstance(build_linear_kernel(auto, LinearLayer(taken, torch.float32, CPU)), Exllamav3Linear)
+    assert isinstance(build_linear_kernel(auto, LinearLayer(refused, torch.float32, CPU)), DequantizedLinear)
+    with pytest.raises(BackendUnavailable, match=r"kernel='exllamav3' cannot compute model.layers.3.mlp.down_proj: "
+                                                 r".*MUL1 codebook only"):
+        build_linear_kernel(KernelChoice("exllamav3", "exllamav3", "test"), LinearLayer(refused, torch.float32, CPU))

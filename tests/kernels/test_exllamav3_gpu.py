@@ -74,3 +74,21 @@ def test_exllamav3_linear_matches_dequantized(rows: int) -> None:
     layer_spec = LinearLayer(shards, torch.float16, CUDA)
     got = build_linear_kernel(KernelChoice("exllamav3", "exllamav3", "test"), layer_spec).forward(x)
     _close(got, DequantizedLinear(shards, torch.float32, CUDA).forward(x.float()))
+
+
+def test_a_rate_the_extension_lacks_is_refused_by_name_before_any_launch() -> None:
+    """The trimmed build (scripts/build-exllamav3-ext.sh) holds the rates the GPU tests use; any other is refused by its
+    op wrapper with the rates it has, not launched as a null kernel. A full exllamav3 build has every rate."""
+    import exllamav3_ext
+
+    manifest = getattr(exllamav3_ext, "MANIFEST", None)
+    if manifest is None:
+        pytest.skip("a full exllamav3_ext: every rate is built")
+    missing = next(k for k in range(1, 9) if k not in manifest["moe_k"])
+    kernel = random_moe(HIDDEN, INTERMEDIATE, EXPERTS, missing, 0.5, "exllamav3", CUDA).kernel
+    with pytest.raises(RuntimeError, match=rf"trimmed exllamav3_ext: exl3_moe_coop at K={missing} .* is not built"):
+        kernel.forward(*_routing(2, seed=0), False)
+    torch.cuda.synchronize()  # and the device is still healthy
+    x, weights, ids = _routing(4, seed=1)
+    torch.testing.assert_close(_layer("exllamav3").forward(x, weights, ids, False).float(),
+                               _layer("exllamav3").forward(x, weights, ids, False).float(), rtol=0, atol=0)

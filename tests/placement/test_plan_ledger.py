@@ -19,8 +19,8 @@ def _non_expert_row(tmp_path, capsys, *flags: str) -> tuple[int, str]:
     assert main(["plan", "--model", str(model), "--host-fraction", "0.5", "--out", str(tmp_path / "p.json"),
                  *flags]) == 0
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("device  non-expert weights"))
-    return int(row.split()[-2].replace(",", "")), out
+    rows = [line for line in out.splitlines() if line.startswith(("device  non-expert weights", "device  expert scales"))]
+    return sum(int(row.split()[-2].replace(",", "")) for row in rows), out
 
 
 def test_dense_exl3_linears_counted_quantized_unless_decoded(tmp_path, capsys: pytest.CaptureFixture) -> None:

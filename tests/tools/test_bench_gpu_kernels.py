@@ -1,38 +1,168 @@
-"""The GPU kernel benchmark's code path, run on the CPU at tiny shapes (Triton interpreter), so the script a
-lent GPU runs has been executed before; the figures themselves mean nothing here."""
+"""The GPU bandwidth probe's and kernel benchmark's code paths, run on the CPU at tiny shapes (Triton interpreter), so
+what a lent GPU runs has been executed before: rows by read size and pattern, rooflines from the probe's own summary,
+bytes by tier, the Zipf fit of the routing the project carries, and a host arena this runtime refuses reported as such
+with the host-tier rows skipped. The figures themselves mean nothing here."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_expert_offload.memory import _cuda_host
 
 from support.paths import REPO
 
-BENCH = REPO / "benchmarks" / "bench_gpu_kernels.py"
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_smoke_run_writes_rows_with_bytes_by_tier_and_rooflines(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    limits = tmp_path / "limits.json"
-    limits.write_text(json.dumps({"hbm_kernel_read_gbs": {"64KiB": 1000.0, "1024KiB": 2000.0},
-                                  "uva_kernel_read_gbs": {"16KiB": 10.0, "4096KiB": 25.0}, "h2d_copy_gbs": 26.0}))
-    out = tmp_path / "out.json"
-    assert bench.main(["--smoke", "--json", str(out), "--limits", str(limits)]) == 0
-    result = json.loads(out.read_text())
-    assert result["limits"] == {"hbm_gbs": 2000.0, "uva_gbs": 25.0, "h2d_copy_gbs": 26.0}
-    moe = result["moe"]
-    assert len(moe) == 2 * 2 * 2  # host shares x backends x token counts
+probe_module = _load("gpu_bandwidth_probe")
+bench_module = _load("bench_gpu_kernels")
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    out = tmp_path_factory.mktemp("bench")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    try:
+        assert probe_module.main(["--smoke", "--out", str(out / "probe.jsonl")]) == 0
+        assert bench_module.main(["--smoke", "--out", str(out / "bench.jsonl"), "--rooflines",
+                                  str(out / "probe.jsonl")]) == 0
+    finally:
+        mp.undo()
+    return _rows(out / "probe.jsonl"), _rows(out / "bench.jsonl")
+
+
+def test_probe_rows_by_read_size_and_pattern_and_a_summary_of_their_best(smoke_run) -> None:
+    probe, _ = smoke_run
+    kinds = [r["probe"] for r in probe]
+    assert kinds[0] == "setup" and kinds[-1] == "rooflines" and "host_arena" in kinds
+    sizes = probe_module.SMOKE["read_sizes"]
+    for tier in ("hbm", "host"):
+        reads = [r for r in probe if r["probe"] == f"{tier}_read"]
+        assert [r["read_bytes"] for r in reads] == sizes
+        for r in reads:
+            assert r["total_bytes"] == r["chunks"] * r["read_bytes"] and r["gbs"] == pytest.approx(
+                r["total_bytes"] / r["seconds"] / 1e9)
+    summary = probe[-1]
+    assert summary["hbm_gbs"] == max(r["gbs"] for r in probe if r["probe"] == "hbm_read")
+    assert summary["host_read_gbs"] == max(r["gbs"] for r in probe if r["probe"] == "host_read")
+    patterns = {(r["backend"], r["tier"]): r["gbs"] for r in probe if r["probe"] == "pattern"}
+    assert summary["host_pattern_gbs"] == {"triton": patterns[("triton", "host")],
+                                           "exllamav3": patterns[("exllamav3", "host")],
+                                           "torch": summary["h2d_copy_gbs"]}
+    assert summary["host"] == "host_arena"
+
+
+def test_bench_rows_cover_every_point_with_bytes_by_tier_and_the_probes_rooflines(smoke_run) -> None:
+    probe, bench = smoke_run
+    setup, summary = bench[0], probe[-1]
+    assert setup["row"] == "setup" and setup["rooflines"] == summary and setup["backends"] == ["triton", "torch"]
+    assert "its kernels are CUDA kernels" in setup["skipped_backends"]["exllamav3"]
+    moe = [r for r in bench if r["row"] == "moe"]
+    cfg = bench_module.SMOKE
+    assert sorted((r["backend"], r["tokens"], r["host_share"]) for r in moe) == sorted(
+        (b, t, s) for b in ("triton", "torch") for t in cfg["tokens"] for s in cfg["host_shares"])
+    assert [r["backend"] for r in moe][-4:] == ["torch"] * 4  # the slow eager reference goes last
+    model = bench_module.SMOKE_MODEL
     expert = 3 * (128 * 128 * 3 // 8 + 2 * 128 + 2 * 128 + 4)  # (trellis + suh + svh + marker) x 3 projections
-    for row in moe:
-        read = row["gpu_bytes"] + row["host_bytes"]
-        assert read % expert == 0 and 0 < read <= 8 * expert
-        assert (row["host_bytes"] == 0) == (row["host_share"] == 0.0)
-        assert (row["gpu_bytes"] == 0) == (row["host_share"] == 1.0)
-        want = row["gpu_bytes"] / 2000e9 + row["host_bytes"] / 25e9
-        assert abs(row["roofline_s"] - want) <= 1e-12 and row["fraction_of_roofline"] == want / row["seconds"]
-    assert [r["tokens"] for r in result["dense"]] == [1, 9] and all("exl3_triton_s" in r for r in result["dense"])
-    assert result["backends"] == ["triton", "torch"]
-    assert "its kernels are CUDA kernels" in result["skipped_backends"]["exllamav3"]
+    for r in moe:
+        read = r["gpu_bytes_median"] + r["host_bytes_median"]  # medians of whole experts (halves between two)
+        assert 2 * read % expert == 0 and 0 < read <= min(r["tokens"] * model["top_k"], model["experts"]) * expert
+        assert read == pytest.approx(r["distinct_experts_median"] * expert) or r["host_share"] not in (0.0, 1.0)
+        assert (r["host_bytes_median"] == 0) == (r["host_share"] == 0.0)
+        assert (r["gpu_bytes_median"] == 0) == (r["host_share"] == 1.0)
+        assert r["timing"] == "eager" and r["p90_s"] >= r["median_s"] > 0
+        host_rate = summary["host_pattern_gbs"][r["backend"]]
+        assert (r["roofline_hbm_gbs"], r["roofline_host_gbs"]) == (summary["hbm_gbs"], host_rate)
+        if r["host_share"] in (0.0, 1.0):  # one tier only: the roofline is that tier's bytes over its rate
+            want = r["gpu_bytes_median"] / (summary["hbm_gbs"] * 1e9) + r["host_bytes_median"] / (host_rate * 1e9)
+            assert r["roofline_s"] == pytest.approx(want)
+        assert r["fraction_of_roofline"] == pytest.approx(r["roofline_s"] / r["median_s"])
+    dense = [r for r in bench if r["row"] == "moe_fp16_dense"]
+    assert [r["tokens"] for r in dense] == list(cfg["tokens"]) and all(r["distinct_experts"] >= 1 for r in dense)
+    linear = [r for r in bench if r["row"] == "linear"]
+    assert sorted((r["backend"], r["rows"]) for r in linear) == sorted(
+        (b, n) for b in ("fp16_matmul", "triton") for n in cfg["dense_rows"])
+
+
+def _refuse_registration(*_args) -> None:
+    raise _cuda_host.CudaError("cudaHostRegister(0x0, 4096, 0x3) failed: cudaError 801 (cudaErrorNotSupported)")
+
+
+def test_a_refused_host_registration_is_a_row_not_a_crash(monkeypatch, tmp_path: Path) -> None:
+    """Where the runtime refuses cudaHostRegister (or MADV_DONTFORK), the probe says so and reads a torch pinned buffer
+    instead; the benchmark says so and skips the host-tier rows, measuring the rest."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    class RefusingArena:
+        def __init__(self, *args, **kwargs) -> None:
+            _refuse_registration()
+
+    monkeypatch.setattr(probe_module, "HostArena", RefusingArena)
+    monkeypatch.setattr(bench_module, "HostArena", RefusingArena)
+    monkeypatch.setitem(probe_module.SMOKE, "read_sizes", [4096])
+    monkeypatch.setattr(bench_module, "SMOKE", {**bench_module.SMOKE, "tokens": (1,), "dense_rows": ()})
+    assert probe_module.main(["--smoke", "--out", str(tmp_path / "probe.jsonl")]) == 0
+    probe = _rows(tmp_path / "probe.jsonl")
+    failed = [r for r in probe if r["probe"] == "host_arena"]
+    assert failed == [{"probe": "host_arena", "status": "failed", "error": "CudaError: cudaHostRegister(0x0, 4096, "
+                       "0x3) failed: cudaError 801 (cudaErrorNotSupported)",
+                       "fallback": "torch pinned memory (cudaHostAlloc)"}]
+    assert {r["host"] for r in probe if r["probe"] in ("host_read", "h2d_copy")} == {"torch_pinned"}
+    assert probe[-1]["probe"] == "rooflines" and probe[-1]["host"] == "torch_pinned"
+    assert bench_module.main(["--smoke", "--out", str(tmp_path / "bench.jsonl")]) == 0
+    bench = _rows(tmp_path / "bench.jsonl")
+    assert [r["status"] for r in bench if r["row"] == "host_arena"] == ["failed"]
+    moe = [r for r in bench if r["row"] == "moe"]
+    assert all("median_s" in r for r in moe if r["host_share"] == 0.0)
+    hosted = [r for r in moe if r["host_share"] > 0]
+    assert hosted and all(r["skipped"].startswith("no host arena on this machine (CudaError: cudaHostRegister")
+                          for r in hosted)
+
+
+def test_zipf_fit_recovers_a_power_law_and_the_projects_routing_is_skewed() -> None:
+    ranks = np.arange(1, 65, dtype=float)
+    law = np.stack([1e6 / ranks**1.3, 1e6 / ranks[::-1] ** 1.3])  # order of experts does not matter
+    assert bench_module.zipf_exponent(law) == pytest.approx(1.3, abs=1e-6)
+    assert bench_module.zipf_exponent(np.full((2, 64), 50)) == pytest.approx(0.0, abs=1e-9)  # uniform: no skew
+    counts, source = bench_module.routing_counts(None)
+    assert "routing_fixtures" in source and 0.7 < bench_module.zipf_exponent(counts) < 1.6  # drawn at 1.1
+    with pytest.raises(ValueError, match="nothing to fit"):
+        bench_module.zipf_exponent(np.zeros((1, 8)))
+
+
+def test_routing_draws_distinct_experts_by_popularity_and_the_host_tier_takes_the_coldest() -> None:
+    popularity = np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    draws = bench_module.draw_routing(popularity, tokens=200, top_k=2, draws=3, seed=0, device=torch.device("cpu"))
+    ids = draws.ids
+    assert ids.shape == (3, 200, 2) and bool((ids[..., 0] != ids[..., 1]).all())
+    assert torch.allclose(draws.weights.sum(-1), torch.ones(3, 200))
+    frequency = np.bincount(ids.reshape(-1).numpy(), minlength=6)
+    assert frequency[0] == frequency.max() and frequency[0] > 2 * frequency[4]
+    assert [list(u) for u in draws.unique] == [sorted(set(d.reshape(-1).tolist())) for d in ids]
+    assert bench_module.host_experts(popularity, 0.5).tolist() == [False, False, False, True, True, True]
+    assert not bench_module.host_experts(popularity, 0.0).any() and bench_module.host_experts(popularity, 1.0).all()
+
+
+def test_model_shapes_are_one_ranks_layer_from_the_carried_configs() -> None:
+    assert bench_module.model_shape("qwen3_30b_a3b", 1) == {"hidden": 2048, "intermediate": 768, "experts": 128,
+                                                            "top_k": 8, "tp": 1}
+    assert bench_module.model_shape("deepseek_v41_flash", 2) == {"hidden": 5120, "intermediate": 1152,
+                                                                 "experts": 384, "top_k": 6, "tp": 2}

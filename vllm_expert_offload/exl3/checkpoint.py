@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,39 @@ from .config import Exl3QuantConfig, parse_quant_config
 from .errors import Exl3FormatError
 from .tensors import Exl3Linear, parse_linear
 
+MAX_HEADER_BYTES = 100 * 10**6  # safetensors' own limit on the header's size
+# safetensors header dtype -> bytes per element
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
 
 def split_name(name: str) -> tuple[str, str]:
     prefix, _, suffix = name.rpartition(".")
     return prefix, suffix
+
+
+def read_header(file: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(offset of the data region, name -> {dtype, shape, data_offsets}) of a safetensors file, read with two
+    plain reads: a 300 GB pack is validated from its headers without mapping its shards (a memory map of a 50 GB
+    engram shard is refused outright on a host with less memory than that, and costs page tables elsewhere)."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise Exl3FormatError(f"{file.name}: not a safetensors file (shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise Exl3FormatError(f"{file.name}: header length {length:,} bytes exceeds {MAX_HEADER_BYTES:,}")
+        blob = f.read(length)
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Exl3FormatError(f"{file.name}: safetensors header is not valid JSON ({exc})") from exc
+    if len(blob) != length or not isinstance(header, dict):
+        raise Exl3FormatError(f"{file.name}: truncated or malformed safetensors header")
+    header.pop("__metadata__", None)
+    return 8 + length, header
 
 
 @dataclass
@@ -30,6 +60,7 @@ class Exl3Checkpoint:
     hf_config: dict[str, Any]
     quant_config: Exl3QuantConfig
     tensor_files: dict[str, Path]  # tensor name -> file
+    headers: dict[Path, tuple[int, dict[str, dict[str, Any]]]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str | Path) -> "Exl3Checkpoint":
@@ -48,14 +79,12 @@ class Exl3Checkpoint:
         if not files:
             raise Exl3FormatError(f"{path}: no .safetensors files")
         tensor_files: dict[str, Path] = {}
+        headers = {}
         for file in files:
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for name in f.keys():
-                        tensor_files[name] = file
-            except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-                raise Exl3FormatError(f"{file.name}: cannot read safetensors header ({exc})") from exc
-        return cls(path, hf_config, quant, tensor_files)
+            headers[file] = read_header(file)
+            for name in headers[file][1]:
+                tensor_files[name] = file
+        return cls(path, hf_config, quant, tensor_files, headers)
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
@@ -94,12 +123,24 @@ class Exl3Checkpoint:
     def header_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, dtype) from headers only."""
         out = {}
-        by_file: dict[Path, list[str]] = defaultdict(list)
         for name, file in self.tensor_files.items():
-            by_file[file].append(name)
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name in names:
-                    sl = f.get_slice(name)
-                    out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+            entry = self.headers[file][1][name]
+            try:
+                out[name] = (tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise Exl3FormatError(f"{name}: malformed safetensors header entry in {file.name} ({exc!r})") from exc
         return out
+
+    def small_tensor_bytes(self, name: str, limit: int = 64) -> bytes:
+        """The raw bytes of a tiny tensor (a codebook marker), read at its offset without mapping the file."""
+        file = self.tensor_files[name]
+        data_start, header = self.headers[file]
+        begin, end = header[name]["data_offsets"]
+        if not 0 <= end - begin <= limit:
+            raise Exl3FormatError(f"{name}: {end - begin} bytes, expected a small tensor (at most {limit})")
+        with open(file, "rb") as f:
+            f.seek(data_start + begin)
+            data = f.read(end - begin)
+        if len(data) != end - begin:
+            raise Exl3FormatError(f"{name}: {file.name} ends inside its data")
+        return data

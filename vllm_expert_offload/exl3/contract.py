@@ -11,7 +11,7 @@ layer, and whether the safetensors headers match the declaration, are checked el
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..validation import refuse_unknown
@@ -22,10 +22,14 @@ from .errors import Exl3FormatError
 BF16_AS_STORED = "bf16_as_stored"
 DTYPE_POLICIES = (BF16_AS_STORED,)
 MTP_EXPERTS = ("exl3", "source")
+# Top-level copies of the delegate's block size and expert dtype: the published DeepSeek-V4.1 packs carry them
+# because vLLM's V4.1 model reads `quant_config.weight_block_size` before any layer asks for its method, and its
+# config class copies a top-level `expert_dtype` onto the HF config (see /work/notes/seeds-contract.md §1).
+DELEGATE_MIRRORS = ("weight_block_size", "expert_dtype")
 CONTRACT_KEYS = frozenset(
     {
         "layer_bits", "non_routed_quantization", "non_routed_dtype_policy", "mtp_experts",
-        "mtp_experts_start_layer", "scope", "non_routed_exl3",
+        "mtp_experts_start_layer", "scope", "non_routed_exl3", *DELEGATE_MIRRORS,
     }
 )
 NON_ROUTED_EXL3_KEYS = frozenset({"codebook", "layers"})
@@ -42,7 +46,7 @@ class MixedContract:
     non_routed_quantization: Mapping[str, Any] | None = None  # vLLM quantization config for the delegate
     dtype_policy: str | None = None
     mtp_experts: str = "exl3"
-    mtp_start_layer: int | None = None
+    mtp_start_layer: int | None = None  # None with mtp_experts 'source': the first layer past the main stack
     scope: str | None = None  # informational, shown by `inspect`
     exl3_codebook: Codebook | None = None  # non_routed_exl3.codebook
     exl3_layers: Mapping[str, float] = field(default_factory=dict)  # vLLM module prefix -> K
@@ -64,7 +68,18 @@ class MixedContract:
 
     def source_experts(self, layer: int) -> bool:
         """Routed experts of `layer` stay in the source format (draft/MTP layers) and go to the delegate."""
-        return self.mtp_experts == "source" and layer >= self.mtp_start_layer
+        if self.mtp_experts != "source":
+            return False
+        if self.mtp_start_layer is None:
+            raise RuntimeError("mtp_experts_start_layer was not resolved against config.json (with_draft_start)")
+        return layer >= self.mtp_start_layer
+
+    def with_draft_start(self, num_layers: int) -> MixedContract:
+        """The contract with an omitted `mtp_experts_start_layer` inferred from config.json: draft layers follow
+        the main stack (vLLM builds them as layers num_layers + i; vllm-exl3's V4.1 doc infers it the same way)."""
+        if self.mtp_experts != "source" or self.mtp_start_layer is not None:
+            return self
+        return replace(self, mtp_start_layer=num_layers)
 
     def dense_method(self) -> str:
         """Which method serves a non-routed linear that is not EXL3, in words (for `inspect` and `plan`)."""
@@ -135,13 +150,27 @@ def _mtp(config: Mapping[str, Any], delegate: Mapping[str, Any] | None) -> tuple
         if start is not None:
             raise Exl3FormatError(f"{KEY}.mtp_experts_start_layer: {start!r} given, but mtp_experts is not 'source'")
         return mode, None
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise Exl3FormatError(f"{KEY}.mtp_experts_start_layer: {start!r}; mtp_experts 'source' needs the first "
-                              f"draft layer's index")
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        raise Exl3FormatError(f"{KEY}.mtp_experts_start_layer: {start!r}, expected the first draft layer's index "
+                              f"(or omit it: the first layer past the main stack)")
     if delegate is None:
         raise Exl3FormatError(f"{KEY}.mtp_experts: 'source' needs non_routed_quantization, the method that serves "
                               f"the source-format draft experts")
     return mode, start
+
+
+def _mirrors(config: Mapping[str, Any], delegate: Mapping[str, Any] | None) -> None:
+    """A top-level `weight_block_size` / `expert_dtype` restates the delegate's; one that says something else, or
+    has no delegate to restate, would make vLLM's model and the delegate disagree, so it is refused by name."""
+    for key in DELEGATE_MIRRORS:
+        if key not in config:
+            continue
+        if delegate is None:
+            raise Exl3FormatError(f"{KEY}.{key}: {config[key]!r} restates non_routed_quantization.{key}, but the "
+                                  f"pack declares no non_routed_quantization")
+        if key in delegate and delegate[key] != config[key]:
+            raise Exl3FormatError(f"{KEY}.{key}: {config[key]!r}, but non_routed_quantization.{key} is "
+                                  f"{delegate[key]!r}; the top-level key restates the delegate's")
 
 
 def is_mixed(config: Mapping[str, Any]) -> bool:
@@ -156,6 +185,7 @@ def parse_contract(config: Mapping[str, Any], bits: float) -> MixedContract:
     if policy is not None and policy not in DTYPE_POLICIES:
         raise Exl3FormatError(f"{KEY}.non_routed_dtype_policy: {policy!r}, expected one of {list(DTYPE_POLICIES)}")
     mode, start = _mtp(config, delegate)
+    _mirrors(config, delegate)
     scope = config.get("scope")
     if scope is not None and not isinstance(scope, str):
         raise Exl3FormatError(f"{KEY}.scope: {scope!r}, expected a string")

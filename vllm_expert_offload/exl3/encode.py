@@ -3,7 +3,7 @@
 This is exllamav3's `fallback_quant` path (exl3-format.md §3.2): correct bits for every kernel, but a higher
 Hessian-weighted error than LDLQ, so it serves test models and fixtures, not production checkpoints.
 Everything runs on the CPU; the Viterbi search, about O(256 * 2^16) per tile and pass whatever K, runs in the
-compiled extension (csrc/exl3_viterbi.inc) when it builds, else in torch here. Both give the same states bit for
+compiled extension (vllm_expert_offload/csrc/exl3_viterbi.inc) when it builds, else in torch here. Both give the same states bit for
 bit where torch.addcmul is a fused multiply-add (its AVX2/AVX-512 kernels); at torch's CPU capability DEFAULT it
 rounds twice, so the torch states differ there, while the compiled encoder's are the same on every CPU.
 """

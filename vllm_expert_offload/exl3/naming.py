@@ -40,9 +40,20 @@ class MoeLayout:
     projection_names: Mapping[str, str]  # gate/up/down -> checkpoint name
     shared_expert_root: str | None = None
     shared_intermediate_size: int | None = None
+    # Draft (MTP / DSpark) layers stored outside the main stack ("mtp.{stage}.ffn.experts"): vLLM builds them as
+    # layers num_layers + stage, so a layer index past the main stack names a draft stage's experts.
+    draft_expert_root: str | None = None
+    draft_experts: int = 0  # routed experts per draft layer (DeepSeek-V4.1's DSpark: dspark_n_routed_experts)
 
     def expert_prefix(self, layer: int, expert: int, projection: str) -> str:
-        return f"{self.expert_root.format(layer=layer)}.{expert}.{self.projection_names[projection]}"
+        """The checkpoint name of one routed expert projection; layer >= num_layers is draft stage
+        layer - num_layers, which the checkpoint keeps under its own root (vLLM's `mtp.i` -> `layers.{n+i}`
+        rename, read back)."""
+        if self.draft_expert_root is not None and layer >= self.num_layers:
+            root = self.draft_expert_root.format(stage=layer - self.num_layers)
+        else:
+            root = self.expert_root.format(layer=layer)
+        return f"{root}.{expert}.{self.projection_names[projection]}"
 
     def shared_prefix(self, layer: int, projection: str) -> str | None:
         if self.shared_expert_root is None:
@@ -50,10 +61,19 @@ class MoeLayout:
         return f"{self.shared_expert_root.format(layer=layer)}.{self.projection_names[projection]}"
 
     def expert_layer(self, prefix: str) -> int | None:
-        """The layer of a routed-expert module name (any layer index, draft layers included); None otherwise."""
-        root = re.escape(self.expert_root).replace(r"\{layer\}", r"(\d+)")
-        match = re.match(rf"^{root}\.\d+\.", prefix + ".")
-        return None if match is None else int(match.group(1))
+        """The layer of a routed-expert module name, draft stages as num_layers + stage (how vLLM numbers them);
+        None for anything else."""
+        for root, offset in ((self.expert_root, 0), (self.draft_expert_root, self.num_layers)):
+            if root is None:
+                continue
+            pattern = re.escape(root).replace(r"\{layer\}", r"(\d+)").replace(r"\{stage\}", r"(\d+)")
+            match = re.match(rf"^{pattern}\.\d+\.", prefix + ".")
+            if match:
+                return offset + int(match.group(1))
+        return None
+
+    def is_draft_layer(self, layer: int) -> bool:
+        return self.draft_expert_root is not None and layer >= self.num_layers
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         """(in_features, out_features) of one routed expert projection, unpadded."""
@@ -107,17 +127,20 @@ def _deepseek(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
     )
 
 
-def _deepseek_v4(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
+def _deepseek_v4(cfg: Mapping[str, Any], arch: str, draft_experts: int | None = None) -> MoeLayout:
     """exllamav3's DeepSeek-V4 names (exl3/deepseek_v4.py): every layer MoE with one shared expert block; the
-    draft layers (`mtp.N`) sit outside `layers.` and are the draft model's."""
+    draft layers (`mtp.N`) sit outside `layers.` and are the draft model's (vLLM's MTP/DSpark drafters build them
+    as layers num_hidden_layers + N)."""
     layers = int(cfg["num_hidden_layers"])
     inter = int(cfg["moe_intermediate_size"])
     shared = int(cfg.get("n_shared_experts", 1) or 0)
+    experts = int(cfg["n_routed_experts"])
     return MoeLayout(
-        arch, int(cfg["hidden_size"]), layers, int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]),
+        arch, int(cfg["hidden_size"]), layers, experts, int(cfg["num_experts_per_tok"]),
         inter, tuple(range(layers)), "layers.{layer}.ffn.experts", {"gate": "w1", "up": "w3", "down": "w2"},
         shared_expert_root="layers.{layer}.ffn.shared_experts" if shared else None,
         shared_intermediate_size=inter * shared if shared else None,
+        draft_expert_root="mtp.{stage}.ffn.experts", draft_experts=draft_experts or experts,
     )
 
 
@@ -125,8 +148,10 @@ def _deepseek_v41(cfg: Mapping[str, Any], arch: str) -> MoeLayout:
     """DeepSeek-V4.1 keeps DeepSeek-V4's native expert names (`layers.L.ffn.experts.E.w{1,3,2}`, one shared expert
     block, every layer MoE; vLLM 0.32's V4.1 mapper re-roots them under `language_model.model.`), but its
     config.json nests the text model's fields under `text_config`: flattened onto the top level first, as vLLM's
-    DeepseekV41Config does (transformers_utils/configs/deepseek_v41.py)."""
-    return _deepseek_v4({**cfg, **(cfg.get("text_config") or {})}, arch)
+    DeepseekV41Config does (transformers_utils/configs/deepseek_v41.py). Its DSpark draft layers have their own
+    expert count (`dspark_n_routed_experts`, vLLM's DeepseekV4MoE for layers past num_hidden_layers)."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    return _deepseek_v4(text, arch, draft_experts=int(text.get("dspark_n_routed_experts") or 0) or None)
 
 
 _LAYOUTS = {

@@ -6,16 +6,16 @@ after an hour of loading or, worse, served with garbage in one expert.
 
 from __future__ import annotations
 
+import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from .checkpoint import Exl3Checkpoint
 from .contract import MixedContract
 from .contract_check import check_contract, not_served_reason
+from .engram import EngramTable
 from .errors import Exl3FormatError
 from .naming import PROJECTIONS, MoeLayout, moe_layout
 from .tensors import MARKER_SUFFIXES, Exl3Linear, parse_linear
@@ -31,8 +31,9 @@ class CheckpointSummary:
     suffixes: dict[str, frozenset[str]]  # prefix -> the suffixes stored for it (what a loader must receive)
     layout: MoeLayout | None
     expert_bytes: dict[int, list[int]] = field(default_factory=dict)  # moe layer -> bytes per expert
-    contract: MixedContract | None = None  # a mixed pack's declaration; None: exllamav3-native
+    contract: MixedContract | None = None  # a mixed pack's declaration (draft start resolved); None: native
     non_routed: dict[str, str] = field(default_factory=dict)  # mixed pack: linear -> the method serving it
+    engram: dict[int, EngramTable] = field(default_factory=dict)  # DeepSeek-V4.1: layer -> engram table as stored
 
     @property
     def quantized_prefixes(self) -> frozenset[str]:
@@ -45,19 +46,22 @@ def _meta(shape: tuple[int, ...], dtype: str, name: str) -> torch.Tensor:
     return torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
 
 
+def _marker(ckpt: Exl3Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """A codebook marker's value (validation checks it), read from its 4 bytes."""
+    data = ckpt.small_tensor_bytes(name)
+    if dtype not in _DTYPES or len(data) != _DTYPES[dtype].itemsize * math.prod(shape):
+        return _meta(shape, dtype, name)  # parse_linear refuses its dtype/shape by name
+    return torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).reshape(shape)
+
+
 def _header_linears(ckpt: Exl3Checkpoint) -> dict[str, Exl3Linear]:
     shapes = ckpt.header_shapes()
     groups = ckpt.linear_tensor_names()
     markers: dict[str, torch.Tensor] = {}
-    by_file: dict[object, list[str]] = defaultdict(list)
     for names in groups.values():
         for suffix, name in names.items():
             if suffix in MARKER_SUFFIXES:
-                by_file[ckpt.tensor_files[name]].append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                markers[name] = f.get_tensor(name)
+                markers[name] = _marker(ckpt, name, *shapes[name])
     linears = {}
     for prefix, names in groups.items():
         tensors = {
@@ -126,11 +130,15 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
     if reason is not None:
         raise Exl3FormatError(reason)
     layout = moe_layout(ckpt.hf_config)
+    if contract is not None and layout is not None:
+        contract = contract.with_draft_start(layout.num_layers)
     if layout is not None:
         _check_expert_names(layout, list(ckpt.tensor_files), contract)
     linears = _header_linears(ckpt)
-    non_routed = {} if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears)
+    checked = None if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears,
+                                                           ckpt.hf_config)
     expert_bytes = _check_experts(layout, linears, uniform_expert_k) if layout else {}
     suffixes = {prefix: frozenset(names) for prefix, names in ckpt.linear_tensor_names().items()}
     return CheckpointSummary(linears=linears, suffixes=suffixes, layout=layout, expert_bytes=expert_bytes,
-                             contract=contract, non_routed=non_routed)
+                             contract=contract, non_routed={} if checked is None else checked.roles,
+                             engram={} if checked is None else checked.engram)

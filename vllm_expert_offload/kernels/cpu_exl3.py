@@ -1,64 +1,60 @@
-"""The compiled CPU kernels (csrc/): the EXL3 matmul over pointer tables and the encoder's Viterbi search,
-one extension built on first use.
+"""The compiled CPU kernels (vllm_expert_offload/csrc/): the EXL3 matmul over pointer tables and the encoder's
+Viterbi search, one extension built on first use.
 
-Built with torch's C++ extension loader into its per-user cache (once per machine and source version; a
-second process waits on the build lock and loads the result). The kernels are compiled for AVX-512, AVX2 and
-the x86-64 baseline in the same build and chosen at run time (`cpu_kernel_isa`), so a build is not tied to the
-CPU that made it. Building needs a C++ compiler and the csrc/ sources of a source or editable install; when
-either is missing the backend is unavailable with that reason, and the oracle says so instead of guessing.
+The C++ sources ship inside the package, so an editable checkout, a wheel and an sdist install all get the
+same kernels; `cpu_extension` builds them against the running torch into its extension cache (once per machine,
+torch and source version; concurrent processes wait for one build) and says what is missing when it cannot. The
+kernels are compiled for AVX-512, AVX2 and the x86-64 baseline in the same build and chosen at run time
+(`cpu_kernel_isa`), so a build is not tied to the CPU that made it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from ..errors import ExpertOffloadError
 from ..exl3.codebook import codebook_table
 from ..exl3.encode import register_compiled_viterbi
 from .contract import Backend
+from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
 from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
 
 logger = logging.getLogger("vllm.expert_offload")
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi.inc")
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+# -Wno-psabi: the baseline copy passes GCC vectors wider than SSE registers, only between its own functions.
+EXTENSION = Extension("vllm_expert_offload_exl3_cpu",
+                      (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi.inc"),
+                      cflags=("-O3", "-fopenmp", "-Wno-psabi"), ldflags=("-fopenmp",))
 BLOCK_M = 32  # rows that share one decode of each tile
 
 
-class CpuKernelUnavailable(ExpertOffloadError, RuntimeError):
-    pass
-
-
 @functools.cache
-def extension():
-    """The loaded extension module (built on the first call), or CpuKernelUnavailable saying why not."""
-    missing = [str(path) for path in SOURCES if not path.is_file()]
-    if missing:
-        raise CpuKernelUnavailable(f"its C++ sources {missing} are not part of this installation (install from source)")
-    from torch.utils.cpp_extension import load
-
-    logger.info("building the EXL3 CPU kernels from %s (once per machine and source version)", CSRC)
-    # torch's loader versions the build by the compiled sources and flags only, so the included .inc files'
-    # digest goes into the flags: editing them rebuilds.
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+def _load_once() -> ModuleType | CpuKernelUnavailable:
+    """The module, or why not: one attempt per process (a failed build is not retried on every call)."""
     try:
-        # -Wno-psabi: the baseline copy passes GCC vectors wider than SSE registers, only between its own functions.
-        flags = ["-O3", "-fopenmp", "-Wno-psabi", f"-DEXL3_SOURCES_DIGEST={digest}"]
-        return load(name="vllm_expert_offload_exl3_cpu", sources=[str(SOURCES[0])], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean the same to the caller
-        raise CpuKernelUnavailable(f"building {CSRC.name}/ failed: {type(exc).__name__}: {exc}") from exc
+        return load_extension(EXTENSION)
+    except CpuKernelUnavailable as exc:
+        logger.warning("the compiled EXL3 CPU kernels are unavailable: %s", exc)
+        return exc
+
+
+def extension() -> ModuleType:
+    """The loaded extension module (built on the first call), or CpuKernelUnavailable saying why not."""
+    loaded = _load_once()
+    if isinstance(loaded, CpuKernelUnavailable):
+        raise CpuKernelUnavailable(str(loaded))
+    return loaded
 
 
 def kernel_sources() -> tuple[Path, ...]:
     """The C++ files the extension is built from (what a fixture encoded by its Viterbi search depends on)."""
-    return SOURCES
+    return EXTENSION.sources
 
 
 def cpu_kernel_unavailable() -> str | None:

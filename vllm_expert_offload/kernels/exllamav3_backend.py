@@ -32,8 +32,10 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..exl3.bitrate import HALF_K, INTEGER_K
 from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
+from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
 from ..offload.phase import profiling
 from ..offload.tiers import PlacedExpert
@@ -132,6 +134,30 @@ def exllamav3_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def rate_refusal(layer: Exl3Linear) -> str | None:
+    """None when exllamav3 1.6.5's kernels take this matrix's bits per weight with its codebook, else why not.
+
+    Its rate decoder (bits_k.cuh) takes K in 1..8 and 1.5/2.5/3.5, and exl3_moe_coop.cu, exl3_moe.cu and exl3_gemm.cu
+    each refuse a half-integer K unless the codebook is MUL1 (their only half-integer instances are MUL1's). Sets
+    read from a checkpoint already obey that (exl3/bitrate.py); sets built any other way are checked here, so a
+    layer outside it falls back under `auto` instead of failing inside exllamav3 during vLLM's profiling run."""
+    if layer.k not in INTEGER_K and layer.k not in HALF_K:
+        return f"{layer.name}: K={layer.k:g} is not a rate its kernels instantiate (1..8, 1.5, 2.5, 3.5)"
+    if layer.k in HALF_K and layer.codebook is not Codebook.MUL1:
+        return (f"{layer.name}: its kernels take half-integer K={layer.k:g} with the MUL1 codebook only, "
+                f"and this set is {layer.codebook.value}")
+    return None
+
+
+def linear_refusal(shards: Sequence[LinearShard]) -> str | None:
+    """None when exl3_gemm can compute every shard of this dense linear, else why not (naming the set)."""
+    for shard in shards:
+        refusal = rate_refusal(shard.layer)
+        if refusal is not None:
+            return refusal
+    return None
+
+
 def moe_refusal(experts: Sequence[PlacedExpert], crop: ExpertCrop, swiglu_limit: float | None) -> str | None:
     """None when exllamav3's MoE kernels can compute this layer exactly as the reference does, else why not."""
     codebooks = {e.projections[p].codebook for e in experts for p in PROJECTIONS}
@@ -139,6 +165,9 @@ def moe_refusal(experts: Sequence[PlacedExpert], crop: ExpertCrop, swiglu_limit:
         return f"its MoE kernels take one codebook across gate, up and down; this layer mixes {sorted(codebooks)}"
     if codebooks == {Codebook.INST3}:
         return "exl3_moe takes the MCG and MUL1 codebooks only; this layer is 3INST"
+    refused = next((why for e in experts for p in PROJECTIONS if (why := rate_refusal(e.projections[p]))), None)
+    if refused is not None:
+        return refused
     ks = {p: sorted({e.projections[p].k for e in experts}) for p in PROJECTIONS}
     mixed = {p: k for p, k in ks.items() if len(k) != 1}
     if mixed:
@@ -338,6 +367,9 @@ class Exllamav3Linear(RotatedLinear):
 
     def __init__(self, shards: Sequence[LinearShard], device: torch.device, capture_rows: Sequence[int] = (),
                  ext: ModuleType | None = None) -> None:
+        refusal = linear_refusal(shards)
+        if refusal is not None:
+            raise ValueError(f"the exllamav3 backend cannot compute this linear: {refusal}")
         super().__init__(shards, device, backend=None)  # shard_product below replaces the launcher
         self.ext = ext if ext is not None else load_ext()
         self.device = device
@@ -373,4 +405,5 @@ BACKEND = Backend(
     build_moe=lambda layer: Exllamav3MoE(layer.experts, layer.tables, layer.arena, layer.crop, layer.device),
     moe_refusal=lambda layer: moe_refusal(layer.experts, layer.crop, layer.swiglu_limit),
     build_linear=lambda layer: Exllamav3Linear(layer.shards, layer.device, layer.capture_rows),
+    linear_refusal=lambda layer: linear_refusal(layer.shards),
 )

@@ -16,7 +16,7 @@ Backends (their modules say more):
 - exllamav3 (exllamav3_backend.py): exllamav3 1.6.5's compiled CUDA kernels over our pointer tables.
 - triton (triton_exl3.py): the Triton kernel over the pointer tables (CUDA, or the interpreter on a CPU with
   TRITON_INTERPRET=1); no host sync, CUDA-graph safe.
-- cpu (cpu_exl3.py): the compiled CPU kernel (csrc/), every trellis read in place: the CPU production path.
+- cpu (cpu_exl3.py): the compiled CPU kernel (the package's csrc/), every trellis read in place: the CPU production path.
 - torch (table_moe.py): the reference; decodes per batch (host syncs: needs --enforce-eager where vLLM captures
   CUDA graphs); its dense linears are decoded once at load ("dequantized"), which `dequantize_linears` also asks
   for with any backend.

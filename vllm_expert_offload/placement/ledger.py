@@ -1,5 +1,9 @@
 """Memory ledger of a placement: every device and host byte by purpose, checked against the GPU before loading.
 
+Device rows are one GPU's (one tensor-parallel rank's); host rows are the node's pinned memory, all ranks together
+(each rank pins its own share of the host-tier experts; tables vLLM keeps on the host, such as DeepSeek-V4.1's
+engram tables, are split between the ranks the same way).
+
 Out-of-memory during weight loading or KV-cache profiling says nothing about what to change; the ledger says where the
 bytes go and, when they do not fit, how many bytes (and experts) must move to the host tier. Host-tier experts are
 stored as 4 KiB-aligned records in the pinned arena, so their padding is a row of its own.
@@ -7,6 +11,7 @@ stored as 4 KiB-aligned records in the pinned arena, so their padding is a row o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,9 +31,12 @@ class LedgerRow:
     experts: int | None = None
 
 
+NON_EXPERT = "non-expert weights"
+
+
 @dataclass(frozen=True)
 class Ledger:
-    non_expert_bytes: int
+    non_expert_bytes: int  # all device weight lines together
     gpu_expert_bytes: int
     kv_cache_bytes: int
     workspace_bytes: int
@@ -38,6 +46,9 @@ class Ledger:
     gpu_experts: int
     host_experts: int
     gpu_expert_sizes: tuple[int, ...] = field(default=(), repr=False)  # largest first: what moving frees fastest
+    weight_lines: tuple[tuple[str, int], ...] = ()  # device weights besides the GPU-tier experts, by purpose
+    host_lines: tuple[tuple[str, int], ...] = ()  # node pinned memory besides the host-tier experts, by purpose
+    ranks: int = 1  # tensor-parallel ranks pinning host-tier experts (host rows are node totals)
 
     @classmethod
     def from_plan(
@@ -45,13 +56,22 @@ class Ledger:
         plan: np.ndarray,
         expert_bytes: object,
         *,
-        non_expert_bytes: int,
+        non_expert_bytes: int | Mapping[str, int],
         kv_cache_bytes: int,
         workspace_bytes: int = 0,
         headroom_bytes: int = 0,
         alignment: int = ARENA_ALIGNMENT,
+        host_bytes: Mapping[str, int] | None = None,
+        ranks: int = 1,
     ) -> Ledger:
-        """Ledger for GPU mask `plan` [layers, experts] and per-expert sizes `expert_bytes` of the same shape."""
+        """Ledger for GPU mask `plan` [layers, experts] and one rank's per-expert sizes `expert_bytes` of the same
+        shape. `non_expert_bytes` is one number or the device weights by purpose; `host_bytes` the node's other
+        pinned memory by purpose; `ranks` how many ranks each pin their share of the host-tier experts."""
+        lines = {NON_EXPERT: non_expert_bytes} if not isinstance(non_expert_bytes, Mapping) else dict(non_expert_bytes)
+        lines = {item: as_byte_count(item, amount) for item, amount in lines.items()}
+        extra = {item: as_byte_count(item, amount) for item, amount in (host_bytes or {}).items()}
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise PlacementError(f"ranks must be a positive integer, got {ranks!r}")
         sizes = as_matrix("expert_bytes", expert_bytes, integer=True)
         plan = np.asarray(plan)
         if plan.dtype != bool or plan.shape != sizes.shape:
@@ -61,7 +81,7 @@ class Ledger:
         on_gpu, on_host = sizes[plan], sizes[~plan]
         padded = -(-on_host // alignment) * alignment
         return cls(
-            non_expert_bytes=as_byte_count("non_expert_bytes", non_expert_bytes),
+            non_expert_bytes=sum(lines.values()),
             gpu_expert_bytes=int(on_gpu.sum()),
             kv_cache_bytes=as_byte_count("kv_cache_bytes", kv_cache_bytes),
             workspace_bytes=as_byte_count("workspace_bytes", workspace_bytes),
@@ -71,18 +91,26 @@ class Ledger:
             gpu_experts=int(on_gpu.size),
             host_experts=int(on_host.size),
             gpu_expert_sizes=tuple(int(s) for s in np.sort(on_gpu)[::-1]),
+            weight_lines=tuple(lines.items()), host_lines=tuple(extra.items()), ranks=ranks,
         )
 
     def rows(self) -> list[LedgerRow]:
+        weights = self.weight_lines or ((NON_EXPERT, self.non_expert_bytes),)
         return [
-            LedgerRow("device", "non-expert weights", self.non_expert_bytes),
+            *(LedgerRow("device", item, amount) for item, amount in weights),
             LedgerRow("device", "GPU-tier experts", self.gpu_expert_bytes, self.gpu_experts),
             LedgerRow("device", "KV cache", self.kv_cache_bytes),
             LedgerRow("device", "workspace", self.workspace_bytes),
             LedgerRow("device", "headroom", self.headroom_bytes),
-            LedgerRow("host", "host-tier experts", self.host_expert_bytes, self.host_experts),
-            LedgerRow("host", "arena alignment", self.host_alignment_bytes),
+            LedgerRow("host", "host-tier experts", self.host_expert_bytes * self.ranks, self.host_experts),
+            LedgerRow("host", "arena alignment", self.host_alignment_bytes * self.ranks),
+            *(LedgerRow("host", item, amount) for item, amount in self.host_lines),
         ]
+
+    @property
+    def gpu_weight_bytes(self) -> int:
+        """Weights on one GPU (no KV cache, workspace or headroom): what the seeds' per-GPU figures count."""
+        return self.non_expert_bytes + self.gpu_expert_bytes
 
     @property
     def device_bytes(self) -> int:

@@ -10,16 +10,11 @@ import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..exl3.checkpoint import Exl3Checkpoint, split_name
+from ..exl3.checkpoint import DTYPE_BYTES, Exl3Checkpoint, split_name
 from ..exl3.errors import Exl3FormatError
 from ..exl3.naming import PROJECTIONS
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
 
-# safetensors header dtype -> bytes per element
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
 MIB = 1 << 20
 
 

@@ -7,20 +7,18 @@ Runs on any machine (headers only, no weights, no GPU), so a plan can be made an
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
 
-from ..exl3 import deepseek_v4 as dsv4
-from ..exl3.checkpoint import Exl3Checkpoint, split_name
+from ..exl3.checkpoint import Exl3Checkpoint
+from ..exl3.residency import Residency, ResidencyOptions, residency
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
 from ..offload.options import OffloadOptions
 from ..offload.rank_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
 from ..placement import Ledger, ModelIdentity, save_plan
 from ..units import GIB
-from .inspect_cmd import nbytes
-
-DEQUANTIZED_BYTES_PER_WEIGHT = 2  # fp16/bf16, for expert_offload.dequantize_linears
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,38 +38,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dequantize-linears", action="store_true",
                         help="count dense EXL3 linears decoded to fp16, as serving with expert_offload."
                              "dequantize_linears holds them (default: their quantized size, as the GPU kernels read them)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="count the draft layers (mtp.*): a speculative-decoding drafter loads them")
+    parser.add_argument("--engram-on-gpu", action="store_true",
+                        help="count DeepSeek-V4.1's engram tables on the GPUs (vLLM's --engram-config cpu_offload "
+                             "false; default: pinned host memory, as vLLM keeps them)")
+    parser.add_argument("--embedding-host", action="store_true",
+                        help="count the token embedding in the host arena (a per-token row gather over UVA; the plan counts it, serving does not place it yet)")
+    parser.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
+                        help="vLLM's option of the same name: the vision tower split over TP (weights, vLLM's "
+                             "default) or replicated on every rank (data)")
+    parser.add_argument("--summary-json", type=Path, help="also write the ledger's totals as JSON to this file")
     parser.add_argument("--out", required=True, type=Path, help="plan file to write")
     parser.set_defaults(handler=run)
-
-
-def _non_expert_device_bytes(ckpt: Exl3Checkpoint, summary: CheckpointSummary, tp: int, dequantized: bool) -> int:
-    """Everything on each GPU besides routed-expert trellises: unquantized and delegated tensors (a mixed pack's
-    FP8 or BF16 layers) at their stored size, dense EXL3 linears as serving holds them (quantized, as the GPU
-    kernels read them, or decoded to fp16 under dequantize_linears and where vLLM reads a plain weight, as
-    DeepSeek-V4's compressors, wo_a and head), and every expert's suh/svh (they stay on
-    the GPU). Split evenly over TP: an estimate, since norms and routers are replicated."""
-    expert_prefixes = {
-        summary.layout.expert_prefix(layer, e, p)
-        for layer in summary.layout.moe_layers for e in range(summary.layout.num_experts)
-        for p in ("gate", "up", "down")
-    }
-    total = 0
-    shapes = ckpt.header_shapes()
-    for name, (shape, dtype) in shapes.items():
-        prefix, suffix = split_name(name)
-        if prefix in summary.linears:
-            lin = summary.linears[prefix]
-            read_plain = dsv4.decoded_at_load(prefix, ckpt.hf_config)
-            if prefix not in expert_prefixes:
-                if not (dequantized or read_plain):
-                    total += nbytes(shapes, name)
-                elif suffix == "trellis":  # held decoded, 2 bytes a weight (fp16/bf16)
-                    total += lin.in_features * lin.out_features * DEQUANTIZED_BYTES_PER_WEIGHT
-            elif suffix in ("suh", "svh"):
-                total += 2 * shape[0]
-            continue
-        total += nbytes(shapes, name)
-    return total // tp
 
 
 def _layout_line(summary: CheckpointSummary, dequantized: bool) -> str:
@@ -84,10 +63,31 @@ def _layout_line(summary: CheckpointSummary, dequantized: bool) -> str:
             f"counted as non-expert weights at their stored size")
 
 
-def expert_sizes(ckpt: Exl3Checkpoint, tp: int) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
-    """The checkpoint's summary, per-rank bytes of each routed expert [moe layers, experts] and the identity a
-    plan records for them; ValueError when there is nothing to place or `tp` does not split the experts."""
-    summary = validate_checkpoint(ckpt)
+def summary_json(ledger: Ledger, weights: Residency, tp: int) -> dict[str, object]:
+    """The ledger's totals for scripts: weights per GPU (no KV cache or headroom), the node's host memory, the
+    experts on each side, and every line."""
+    return {
+        "tp": tp,
+        "gpu_weight_bytes_per_rank": ledger.gpu_weight_bytes,
+        "gpu_expert_bytes_per_rank": ledger.gpu_expert_bytes,
+        "non_expert_bytes_per_rank": ledger.non_expert_bytes,
+        "device_bytes_per_rank": ledger.device_bytes,
+        "host_bytes": ledger.host_bytes,
+        "host_experts": ledger.host_experts,
+        "gpu_experts": ledger.gpu_experts,
+        "total_experts": ledger.host_experts + ledger.gpu_experts,
+        "device_lines_per_rank": dict(ledger.weight_lines),
+        "host_lines": {row.item: row.nbytes for row in ledger.rows() if row.tier == "host"},
+        "not_loaded_per_rank": weights.not_loaded,
+    }
+
+
+def expert_sizes(ckpt: Exl3Checkpoint, tp: int, summary: CheckpointSummary | None = None,
+                 ) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
+    """The checkpoint's summary (validated here unless given), per-rank bytes of each routed expert [moe layers,
+    experts] and the identity a plan records for them; ValueError when there is nothing to place or `tp` does not
+    split the experts."""
+    summary = validate_checkpoint(ckpt) if summary is None else summary
     if summary.layout is None:
         raise ValueError(f"{ckpt.path}: no routed experts of a supported architecture to place")
     layout = summary.layout
@@ -96,6 +96,15 @@ def expert_sizes(ckpt: Exl3Checkpoint, tp: int) -> tuple[CheckpointSummary, np.n
     geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // tp, 0, tp)
     sizes = record_bytes_matrix(summary, geometry)
     return summary, sizes, model_identity(summary, tp, sizes)
+
+
+def plan_ledger(ckpt: Exl3Checkpoint, summary: CheckpointSummary, plan: np.ndarray, sizes: np.ndarray,
+                where: ResidencyOptions, kv_cache_bytes: int = 0) -> tuple[Ledger, Residency]:
+    """The ledger of GPU mask `plan`: every stored tensor where serving keeps it (exl3/residency.py)."""
+    weights = residency(summary, ckpt.header_shapes(), ckpt.hf_config, where)
+    ledger = Ledger.from_plan(plan, sizes, non_expert_bytes=weights.device, kv_cache_bytes=kv_cache_bytes,
+                              host_bytes=weights.host, ranks=where.tp)
+    return ledger, weights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,14 +116,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
     plan, source = make_plan(options, sizes, identity)
-    ledger = Ledger.from_plan(
-        plan, sizes, non_expert_bytes=_non_expert_device_bytes(ckpt, summary, args.tp, args.dequantize_linears),
-        kv_cache_bytes=int(args.kv_cache_gib * GIB),
-    )
+    where = ResidencyOptions(tp=args.tp, speculative=args.speculative, engram_on_host=not args.engram_on_gpu,
+                             embedding_on_host=args.embedding_host, dequantized=args.dequantize_linears,
+                             vision_replicated=args.mm_encoder_tp_mode == "data")
+    ledger, weights = plan_ledger(ckpt, summary, plan, sizes, where, int(args.kv_cache_gib * GIB))
     capacity = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
-    print(f"plan for {args.model} (TP {args.tp}, per GPU), from {source}")
+    print(f"plan for {args.model} (TP {args.tp}: device rows per GPU, host rows for the node), from {source}")
     print(_layout_line(summary, args.dequantize_linears))
     print(ledger.format_table(capacity, args.margin))
+    if weights.not_loaded:
+        print("not loaded: " + ", ".join(f"{item} {amount / GIB:.3f} GiB per GPU" for item, amount in
+                                         weights.not_loaded.items()) + " (--speculative counts them)")
+    if args.summary_json is not None:
+        args.summary_json.write_text(json.dumps(summary_json(ledger, weights, args.tp), indent=1) + "\n")
     if capacity is not None:
         ledger.check_fits(capacity, args.margin)
     budget = None if args.gpu_budget_gib is None else int(args.gpu_budget_gib * GIB)

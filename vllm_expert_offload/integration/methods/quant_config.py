@@ -11,18 +11,19 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
+from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ...exl3.checkpoint import Exl3Checkpoint
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
-from ...exl3.contract import KEY, MixedContract
 from ...exl3.errors import Exl3FormatError
 from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ...offload.options import OffloadOptions, parse_offload_options
 from ...offload.process import ProcessPlacement
+from . import engram_int4
+from .delegate import build_delegate
 
 QUANT_NAME = "exl3"
 
@@ -48,25 +49,20 @@ def scan_checkpoint(model_dir: str) -> CheckpointSummary:
     return validate_checkpoint(Exl3Checkpoint.open(model_dir))
 
 
-def build_delegate(contract: MixedContract | None) -> QuantizationConfig | None:
-    """The config vLLM itself builds for `non_routed_quantization`: its own class from its own registry, from the
-    same parameters, so every delegated layer gets exactly the method vLLM would give it."""
-    if contract is None or contract.non_routed_quantization is None:
-        return None
-    method = contract.delegate_method
-    params = {**contract.non_routed_quantization, "quant_method": method}
-    try:
-        return get_quantization_config(method).from_config(params)
-    except Exception as exc:  # vLLM's configs raise ValueError, KeyError or their own types on bad parameters
-        raise ValueError(
-            f"EXL3 checkpoint refused: {KEY}.non_routed_quantization: vLLM's {method!r} config refuses {params} ({exc})"
-        ) from exc
-
-
-def refuse_unservable(vllm_config) -> None:
+def refuse_unservable(vllm_config, summary: CheckpointSummary) -> None:
     """Configurations that route around the EXL3 methods: vLLM's MegaMoE backends build their own expert
-    modules (no quant method is asked), and EPLB moves experts between ranks behind the per-expert plan."""
+    modules (no quant method is asked), EPLB moves experts between ranks behind the per-expert plan, and a
+    speculative drafter would build the draft layers' EXL3 sets, which no plan places."""
     from vllm.config.kernel import MEGA_MOE_BACKENDS
+
+    draft = _draft_exl3_set(summary)
+    if vllm_config.speculative_config is not None and draft is not None:
+        raise ValueError(
+            f"EXL3 checkpoint refused: --speculative-config would load the draft layers, but {draft}.trellis is an "
+            "EXL3 set in a draft layer: the placement plan covers the main model's routed experts only. Serve "
+            "without speculative decoding, or a pack whose draft layers stay in their source format "
+            "(quantization_config.mtp_experts 'source')"
+        )
 
     backend = vllm_config.kernel_config.moe_backend
     if backend in MEGA_MOE_BACKENDS:
@@ -81,13 +77,24 @@ def refuse_unservable(vllm_config) -> None:
         )
 
 
+def _draft_exl3_set(summary: CheckpointSummary) -> str | None:
+    """An EXL3 set stored in a draft (MTP/DSpark) layer, if the pack has one."""
+    layout = summary.layout
+    if layout is None or layout.draft_expert_root is None:
+        return None
+    draft_root = layout.draft_expert_root.partition(".")[0] + "."
+    return next((prefix for prefix in summary.quantized_prefixes if prefix.startswith(draft_root)), None)
+
+
 @register_quantization_config(QUANT_NAME)
 class Exl3Config(QuantizationConfig):
     """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
     validated in `maybe_update_config`, before any layer is constructed."""
 
     def __init__(self, quant: Exl3QuantConfig) -> None:
-        self.delegate = build_delegate(quant.contract)  # before super().__init__, which sets packed_modules_mapping
+        # Built in maybe_update_config, where vLLM hands over the HF config its resolution needs (delegate.py);
+        # set before super().__init__, which assigns packed_modules_mapping.
+        self.delegate: QuantizationConfig | None = None
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
@@ -169,11 +176,18 @@ class Exl3Config(QuantizationConfig):
         return None
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Called by vLLM right after from_config, before any layer is built (config/vllm.py): the checkpoint is
+        validated and the delegate built as vLLM's ModelConfig would build it for this model."""
         try:
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+        engram_int4.install(self.summary.engram)
+        self.delegate = build_delegate(self.summary.contract, hf_config)
         if self.delegate is not None:
+            self.delegate.packed_modules_mapping = self.packed_modules_mapping
+            if self.vllm_mapper is not None:
+                self.delegate.apply_vllm_mapper(self.vllm_mapper)
             self.delegate.maybe_update_config(model_name, hf_config, revision)
 
     def abandon_placement(self, why: str) -> None:
@@ -188,7 +202,7 @@ class Exl3Config(QuantizationConfig):
         weight is loaded."""
         if self.kernels is None:
             vllm_config = get_current_vllm_config()
-            refuse_unservable(vllm_config)
+            refuse_unservable(vllm_config, self._summary())
             self.options = parse_offload_options(vllm_config.additional_config)
             self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
             log_choice(self.kernels)
@@ -233,7 +247,7 @@ class Exl3Config(QuantizationConfig):
         from .linear_method import Exl3LinearMethod
         from .moe_method import LAYER_INDEX, Exl3MoEMethod
 
-        contract = self.quant.contract
+        contract = self._summary().contract  # draft start resolved against config.json
         if isinstance(layer, RoutedExperts):
             match = LAYER_INDEX.search(prefix)
             if contract is not None and match and contract.source_experts(int(match.group(1))):
