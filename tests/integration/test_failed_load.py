@@ -19,20 +19,14 @@ from vllm_expert_offload.offload.process import ProcessPlacement
 from vllm_expert_offload.offload.rank_plan import ExpertGeometry
 from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
+from support.process_maps import is_mapped
+
 GEOMETRY = ExpertGeometry(hidden=128, intermediate=256, intermediate_per_rank=256, tp_rank=0, tp_size=1)
 
 
 class FakeVllmConfig:
     def __init__(self, quant_config) -> None:
         self.quant_config = quant_config
-
-
-def _mapped(address: int) -> bool:
-    for line in open("/proc/self/maps"):
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
 
 
 def test_the_hook_matches_vllms_loader() -> None:
@@ -73,8 +67,8 @@ def test_a_failed_load_releases_the_arena_before_the_error_propagates(tmp_path, 
     assert arena_log.text.count("host arena released: ") == 1
     assert ("its pages freed (live views read zeros; unmapped with the last) (the model load failed: "
             "Exl3FormatError: model.layers.1.mlp.experts.5.down_proj.suh: missing)") in arena_log.text
-    assert _mapped(base) and int(kept[0].sum()) == 0
+    assert is_mapped(base) and int(kept[0].sum()) == 0
     placement.arena.close()  # nothing left to do: released once
     del kept[:], made[:], placement
     gc.collect()
-    assert not _mapped(base) and arena_log.text.count("host arena released: ") == 1
+    assert not is_mapped(base) and arena_log.text.count("host arena released: ") == 1

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.kernels import rotated
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
-from vllm_expert_offload.kernels import rotated
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear, rotated_moe
 from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL

@@ -13,6 +13,8 @@ import torch
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.memory import arena as arena_mod
 
+from support.process_maps import is_mapped
+
 PAGE = 4096
 GIB = 1 << 30
 
@@ -58,14 +60,6 @@ def test_node_free_bytes_reads_meminfo(tmp_path) -> None:
     assert node_free_bytes(2, tmp_path) is None
 
 
-def _mapped(address: int) -> bool:
-    for line in open("/proc/self/maps"):
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
-
-
 def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCaptureFixture) -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
@@ -76,7 +70,7 @@ def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCap
     del view
     arena.close()
     arena.close()
-    assert not _mapped(base)
+    assert not is_mapped(base)
     assert arena_log.text.count("host arena released: 0.0 MiB unmapped") == 1
     with pytest.raises(RuntimeError, match="closed"):
         arena.reserve(PAGE)
@@ -85,10 +79,10 @@ def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCap
 def test_collected_arena_is_released() -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
-    assert _mapped(base)
+    assert is_mapped(base)
     del arena
     gc.collect()
-    assert not _mapped(base)
+    assert not is_mapped(base)
 
 
 def test_released_at_process_exit() -> None:
@@ -155,7 +149,7 @@ def test_registered_arena_unregistered_and_unmapped_once(fake_cuda, arena_log) -
     arena.release("after close")
     del arena
     gc.collect()
-    assert fake_cuda == [("register", base), ("unregister", base)] and not _mapped(base)
+    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
     assert arena_log.text.count("host arena released: 0.0 MiB unregistered and unmapped") == 1
 
 
@@ -169,7 +163,7 @@ def test_a_failing_device_pointer_after_registration_is_undone(fake_cuda, monkey
     with pytest.raises(CudaError, match="cudaHostGetDevicePointer"):
         HostArena(4 * PAGE, device="cuda")
     base = fake_cuda[0][1]
-    assert fake_cuda == [("register", base), ("unregister", base)] and not _mapped(base)
+    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
     assert arena_log.text.count("host arena released: ") == 1
     assert "host arena released: 0.0 MiB unregistered and unmapped (set-up failed: CudaError: " in arena_log.text
     gc.collect()
@@ -191,7 +185,7 @@ def test_release_with_live_views_frees_the_pages_and_unmaps_with_the_last_view(a
     base = arena.device_address(0)
     view = arena.view(arena.reserve(PAGE), (PAGE,), torch.uint8).fill_(7)
     arena.release("the model load failed: test")
-    assert int(view.sum()) == 0 and _mapped(base)
+    assert int(view.sum()) == 0 and is_mapped(base)
     assert ("host arena released: 0.0 MiB its pages freed (live views read zeros; unmapped with the last) "
             "(the model load failed: test)") in arena_log.text
     with pytest.raises(RuntimeError, match="closed"):
@@ -199,15 +193,15 @@ def test_release_with_live_views_frees_the_pages_and_unmaps_with_the_last_view(a
     arena.close()
     del arena
     gc.collect()
-    assert _mapped(base)  # the view still maps it
+    assert is_mapped(base)  # the view still maps it
     del view
     gc.collect()
-    assert not _mapped(base) and arena_log.text.count("host arena released: ") == 1
+    assert not is_mapped(base) and arena_log.text.count("host arena released: ") == 1
 
 
 def test_release_without_views_unmaps_at_once(arena_log) -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
     arena.release("the model load failed: test")
-    assert not _mapped(base)
+    assert not is_mapped(base)
     assert "host arena released: 0.0 MiB unmapped (the model load failed: test)" in arena_log.text

@@ -31,8 +31,8 @@ import functools
 import logging
 import math
 import mmap
-import os
 import multiprocessing.util
+import os
 import platform
 
 import torch
