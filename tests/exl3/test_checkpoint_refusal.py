@@ -84,3 +84,11 @@ def test_mixed_expert_k_refused_only_for_kernels_that_cannot_mix(valid_model: Pa
     validate_checkpoint(Exl3Checkpoint.open(broken), uniform_expert_k=False)
     with pytest.raises(Exl3FormatError, match=f"{EXPERT}.gate_proj.trellis: K=2 mul1"):
         validate_checkpoint(Exl3Checkpoint.open(broken), uniform_expert_k=True)
+
+
+def test_experts_stored_in_a_dense_layer_refused(valid_model: Path, tmp_path: Path) -> None:
+    """The config makes layer 0 dense (Qwen3's mlp_only_layers); its routed experts are still in the file."""
+    broken = edited_checkpoint(valid_model, tmp_path / "broken", config=lambda hf: hf.update(mlp_only_layers=[0]))
+    with pytest.raises(Exl3FormatError, match=r"model\.layers\.0\.mlp\.experts\.\d+\..*unexpected tensor "
+                                              r"\(layer 0 has experts 0\.\.7 and is not an MoE layer\)"):
+        validate_checkpoint(Exl3Checkpoint.open(broken))

@@ -26,9 +26,9 @@ from vllm_expert_offload.testing.tiny_dsv4 import (
     build_tiny_dsv4_exl3,
     save_pretrained_names,
 )
-from vllm_expert_offload.testing.tiny_models import build_dense_twin
 
 from support.edited_checkpoint import edited_checkpoint
+from support.reference_twin import checked_dense_twin
 
 TRELLIS_SUFFIXES = ("trellis", "suh", "svh", "mul1", "mcg")
 
@@ -40,7 +40,7 @@ def exl3() -> Path:
 
 @pytest.fixture(scope="module")
 def twin(exl3: Path) -> Path:
-    return build_dense_twin(exl3)
+    return checked_dense_twin(exl3)  # decoded by the package, checked against the independent reference
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

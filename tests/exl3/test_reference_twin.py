@@ -64,3 +64,52 @@ def test_corrupted_twin_is_refused(tmp_path: Path, corrupt, message: str) -> Non
     _twin(tmp_path / "twin", weight, **corrupt(weight))
     with pytest.raises(AssertionError, match=message):
         check_twin(tmp_path / "exl3", tmp_path / "twin")
+
+
+@pytest.mark.parametrize(("k", "codebook"), [(1, "3inst"), (2, "mcg"), (3, "mul1"), (1.5, "mul1"), (2.5, "mul1"),
+                                             (3.5, "mul1"), (5, "3inst"), (8, "mcg")])
+def test_bulk_reference_decode_is_the_scalar_reference_bit_for_bit(k: float, codebook: str) -> None:
+    """The check's bulk decode only evaluates the reference's own definitions in bulk: equal bit for bit."""
+    from support.reference_twin import reference_weight_bits
+
+    trellis = ref.random_trellis(np.random.default_rng(int(10 * k)), 2, 3, k)
+    np.testing.assert_array_equal(reference_weight_bits(trellis, codebook), ref.rotated_weight_bits(trellis, k, codebook))
+
+
+def _sliced_checkpoint(exl3_dir: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """DeepSeek-V4's wo_a stored as two sets (output groups) of 128 rows; returns the tensors and each slice's decode."""
+    rng = np.random.default_rng(11)
+    tensors, slices = {}, []
+    for group in range(2):
+        prefix = f"layers.0.attn.wo_a.slice.{group}"
+        parts = {"trellis": torch.from_numpy(ref.random_trellis(rng, IN // 16, 128 // 16, 3)),
+                 "suh": torch.from_numpy(rng.uniform(0.5, 1.5, IN).astype(np.float16)),
+                 "svh": torch.from_numpy(rng.choice([-1.0, 1.0], 128).astype(np.float16)),
+                 "mul1": torch.tensor(ref.MUL1_MARKER_INT32, dtype=torch.int32)}
+        tensors |= {f"{prefix}.{s}": t for s, t in parts.items()}
+        slices.append(dequantize(parts))
+    exl3_dir.mkdir()
+    save_file(tensors, exl3_dir / "model.safetensors")
+    return tensors, slices
+
+
+@pytest.mark.parametrize(("order", "passes"), [((0, 1), True), ((1, 0), False)])
+def test_joined_slices_are_checked_in_group_order(tmp_path: Path, order: tuple[int, int], passes: bool) -> None:
+    _, slices = _sliced_checkpoint(tmp_path / "exl3")
+    (tmp_path / "twin").mkdir()
+    save_file({"layers.0.attn.wo_a.weight": torch.cat([slices[g] for g in order]).contiguous()},
+              tmp_path / "twin" / "model.safetensors")
+    if passes:
+        check_twin(tmp_path / "exl3", tmp_path / "twin")
+    else:
+        with pytest.raises(AssertionError, match="layers.0.attn.wo_a.weight: twin differs from the reference"):
+            check_twin(tmp_path / "exl3", tmp_path / "twin")
+
+
+def test_blockwise_rotation_is_the_references_dense_one() -> None:
+    from support.reference_twin import _dequantize_kn
+
+    rng = np.random.default_rng(3)
+    bits = ref.rotated_weight_bits(ref.random_trellis(rng, 16, 8, 2), 2, "mul1")
+    suh, svh = rng.uniform(-2, 2, 256), rng.uniform(-2, 2, 128)
+    np.testing.assert_allclose(_dequantize_kn(bits, suh, svh), ref.dequantize_kn(bits, suh, svh), rtol=1e-12, atol=1e-12)

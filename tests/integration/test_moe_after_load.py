@@ -76,3 +76,20 @@ def test_expert_never_delivered_is_named(checkpoint) -> None:
     with pytest.raises(Exl3FormatError, match=rf"experts\.{EXPERT}\.gate_proj\.mul1: not delivered by the loader "
                                               r"\(received nothing\)"):
         method.process_weights_after_loading(layer)
+
+
+def test_the_placement_is_bounded_by_the_gpus_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the worker hands its GPU's size down, so a budget or plan the GPU cannot hold is refused by name
+    before anything is loaded (tests/offload/test_process_placement.py); off CUDA there is no bound."""
+    from vllm_expert_offload.integration.methods import moe_method
+
+    made = []
+    monkeypatch.setattr(moe_method, "ProcessPlacement", lambda *args: made.append(args) or SimpleNamespace(
+        options=SimpleNamespace(min_free_fraction=0.03), gpu_tier_sizes=lambda: []))
+    monkeypatch.setattr(moe_method, "install_crash_line", lambda *args: None)
+    monkeypatch.setattr(moe_method.torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=96 << 30))
+    for device, gpu_bytes in ((torch.device("cuda", 0), 96 << 30), (torch.device("cpu"), None)):
+        quant_config = SimpleNamespace(placement=None, options=None, summary=None)
+        moe_method._process_placement(quant_config, None, 2, device)
+        assert made.pop()[-1] == gpu_bytes

@@ -77,7 +77,20 @@ def test_switch(monkeypatch) -> None:
 def test_success_resets_prefix_cache_and_routing_counts() -> None:
     engine = FakeEngine()
     readiness.run_sync(engine)
-    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", readiness.RESET_COUNTS)]
+    assert engine.calls == [("add", 129, 4), ("reset_prefix_cache",), ("rpc", readiness.END_OF_STARTUP)]
+
+
+def test_startup_counts_dropped_with_the_smoke_off_too(monkeypatch) -> None:
+    """The one reset is spent before the engine is handed out whatever the switch says (a later caller, a
+    dev-mode client, finds it spent); a model that is not ours is left alone."""
+    monkeypatch.setenv(readiness.ENV, "0")
+    engine = FakeEngine()
+    readiness.run_sync(engine)
+    assert engine.calls == [("rpc", readiness.END_OF_STARTUP)]
+    other = FakeEngine()
+    other.vllm_config = _config(quantization="fp8")
+    readiness.run_sync(other)
+    assert other.calls == []
 
 
 def test_failure_stops_startup_with_its_cause() -> None:

@@ -15,16 +15,29 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.kernels import rotated
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
-from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear
+from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear, rotated_moe
+from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 
 from support import exl3_reference as ref
 from support.layers import make_layer
+from support.meta_proof import (
+    BAD_PATTERNS,
+    HOST_SYNC_ON_META,
+    META,
+    assert_all_on_meta,
+    forward_on_meta,
+    meta_moe_layer,
+    meta_routing,
+    planted,
+    tensors_held,
+)
 from support.moe_layers import (
     ALL_RATES,
     CPU,
@@ -189,8 +202,62 @@ def test_linear_fp16_and_bf16_activations_round_like_exllamav3() -> None:
 # --- no host synchronisation (what CUDA-graph capture needs) -------------------------------------------
 
 
+def _meta_kernels(backend: MatmulBackend, layer_sets=None):
+    """The MoE (mixed K, codebooks) and a dense linear through `backend`, built with every tensor on meta."""
+    moe = rotated_moe(meta_moe_layer(layer_sets or expert_sets(0), FULL), backend)
+    layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
+    linear = RotatedLinear([LinearShard(layer, 0, 128, 128, 0, 128)], META, backend)
+    return moe, linear
+
+
+@pytest.mark.parametrize("tokens", [3, 20])  # per-slot blocks (Triton's decode) and grouped blocks
+def test_glue_runs_with_every_tensor_on_meta(backend: MatmulBackend, tokens: int) -> None:
+    """The no-sync proof (support/meta_proof.py): a forward that read device data on the host would raise here."""
+    moe, linear = _meta_kernels(backend)
+    assert_all_on_meta(moe)
+    assert_all_on_meta(linear)
+    x, weights, ids = meta_routing(tokens, 2, HIDDEN)
+    for on_input in (False, True):
+        assert forward_on_meta(moe.forward, x, weights, ids, on_input).shape == (tokens, HIDDEN)
+    assert forward_on_meta(linear.forward, x).shape == (tokens, 128)
+
+
+def test_torch_reference_fails_the_meta_proof() -> None:
+    """Negative control: the torch reference decides per batch which experts to decode (`torch.unique(...)
+    .tolist()`, then `nonzero`), by design."""
+    layer = meta_moe_layer(expert_sets(0), FULL)
+    reference = TableMoE(layer.experts, layer.tables, None, FULL, torch.float32, META)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        reference.forward(*meta_routing(3, 2, HIDDEN), False)
+
+
+@pytest.mark.parametrize("pattern", list(BAD_PATTERNS))
 @pytest.mark.parametrize("tokens", [3, 20])
-def test_forward_makes_no_host_synchronisation(full_layer, backend: MatmulBackend, tokens: int) -> None:
+def test_meta_proof_rejects_a_host_sync_planted_in_the_glue(
+    backend: MatmulBackend, monkeypatch: pytest.MonkeyPatch, pattern: str, tokens: int
+) -> None:
+    """Each pattern planted on the routing ids (the MoE's block layouts) and on the activations (the rotations)."""
+    moe, linear = _meta_kernels(backend)
+    for glue in ("per_row_blocks", "grouped_blocks", "hadamard_last"):
+        monkeypatch.setattr(rotated, glue, planted(getattr(rotated, glue), BAD_PATTERNS[pattern]))
+    x, weights, ids = meta_routing(tokens, 2, HIDDEN)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        moe.forward(x, weights, ids, False)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        linear.forward(x)
+
+
+@pytest.mark.parametrize("pattern", ["item", "bool of a tensor", "boolean-mask indexing", "nonzero", "unique",
+                                     "bincount", "repeat_interleave without output_size"])
+def test_op_name_net_catches_the_patterns_it_names(pattern: str) -> None:
+    ids = torch.tensor([[0, 2], [1, 3]])
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        BAD_PATTERNS[pattern](ids)
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_forward_makes_no_host_synchronisation_by_op_name(full_layer, backend: MatmulBackend, tokens: int) -> None:
+    """The second net, on real tensors: no forbidden op is dispatched (NoHostSync names them)."""
     reference, triton, _ = full_layer
     x, weights, ids = routing(tokens, seed=tokens)
     layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
@@ -202,34 +269,15 @@ def test_forward_makes_no_host_synchronisation(full_layer, backend: MatmulBacken
         reference.forward(x, weights, ids, False)  # negative control: the torch reference does sync
 
 
-def _tensors_held(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
-    """Every tensor reachable from a kernel object's attributes, dataclass fields and containers."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        children = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        children = list(obj)
-    elif hasattr(obj, "__dict__"):
-        children = list(vars(obj).values())
-    else:
-        return []
-    return [t for child in children for t in _tensors_held(child, seen)]
-
-
 def test_trellis_reading_linear_keeps_no_decoded_copy(backend: MatmulBackend) -> None:
     """What such a linear holds is the quantized set (trellis, scales) and its tiny tables, nothing dense."""
     layer = parse_linear(make_layer(3, "mul1", 256, 256, seed=9), "o")
     shards = [LinearShard(layer, 0, 256, 256, 0, 256)]
-    held = _tensors_held(RotatedLinear(shards, CPU, backend))
+    held = tensors_held(RotatedLinear(shards, CPU, backend))
     assert not [t for t in held if t.is_floating_point() and t.dtype != torch.float16]
     quantized = sum(t.numel() * t.element_size() for t in (layer.trellis, layer.suh, layer.svh))
     assert sum(t.numel() * t.element_size() for t in held) <= quantized + 64
-    dense = _tensors_held(DequantizedLinear(shards, torch.float32, CPU))
+    dense = tensors_held(DequantizedLinear(shards, torch.float32, CPU))
     assert sum(t.numel() * t.element_size() for t in dense) == 256 * 256 * 4  # the opt-in does hold it
 
 
@@ -237,7 +285,7 @@ def test_trellis_reading_moe_holds_only_the_quantized_experts(backend: MatmulBac
     """The memory behind every tensor the MoE kernel holds, counted once per storage, is exactly: GPU-tier
     trellises, the host arena, each expert's suh/svh once, the small tables and the crop mask. Nothing decoded."""
     _, kernel, arena = placed_moe(FULL, backend, seed=3)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors_held(kernel)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_held(kernel)}
     experts = expert_sets(3)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     gpu_trellises = sum(nbytes(lin.trellis) for s, gpu in zip(experts, TIERS) if gpu for lin in s.values())

@@ -27,6 +27,16 @@ from vllm_expert_offload.tools.random_layers import random_linear
 
 from support.exllamav3_headers import header_signature
 from support.layers import make_layer
+from support.meta_proof import (
+    BAD_PATTERNS,
+    HOST_SYNC_ON_META,
+    META,
+    assert_all_on_meta,
+    forward_on_meta,
+    meta_moe_layer,
+    meta_routing,
+    planted,
+)
 from support.moe_layers import NoHostSync
 
 CPU = torch.device("cpu")
@@ -172,11 +182,61 @@ def test_linear_matches_dequantized_for_fused_shards_with_offsets(fake_ext, rows
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
+def _noop_ext() -> types.ModuleType:
+    """The extension with kernels that do nothing: only the glue around them runs."""
+    return make_fake_ext({name: (lambda a: 2) if name == "exl3_moe_max_concurrency" else (lambda a: None)
+                          for name in SIGNATURES})
+
+
+def _meta_kernels(ext: types.ModuleType) -> tuple[Exllamav3MoE, Exllamav3Linear]:
+    """A uniform MUL1 layer and a dense linear, every tensor on meta (support/meta_proof.py)."""
+    gen = torch.Generator().manual_seed(0)
+    sets = [{p: random_linear(gen, HIDDEN, HIDDEN, 3) for p in PROJECTIONS} for _ in range(EXPERTS)]
+    layer = meta_moe_layer(sets, ExpertCrop(HIDDEN - 32, HIDDEN, 0))
+    moe = Exllamav3MoE(layer.experts, layer.tables, None, layer.crop, META, ext=ext)
+    shard = LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)
+    return moe, Exllamav3Linear([shard], META, ext=ext)
+
+
+# Decode (exl3_moe_coop), prefill (exl3_moe + gather) and prefill in more than one chunk of MOE_ROWS tokens.
+PROOF_TOKENS = [3, 20, MOE_ROWS + 5]
+
+
+@pytest.mark.parametrize("tokens", PROOF_TOKENS)
+def test_glue_runs_with_every_tensor_on_meta(tokens: int) -> None:
+    """The no-sync proof: everything around the launches, router weights on the output or (top-k 1) the input."""
+    moe, linear = _meta_kernels(_noop_ext())
+    assert_all_on_meta(moe)
+    assert_all_on_meta(linear)
+    for top_k, on_input in ((2, False), (1, True)):
+        x, weights, ids = meta_routing(tokens, top_k, HIDDEN - 32, torch.bfloat16)
+        out = forward_on_meta(moe.forward, x, weights, ids, on_input)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert forward_on_meta(linear.forward, meta_routing(tokens, 1, 128)[0]).shape == (tokens, 128)
+
+
+@pytest.mark.parametrize("pattern", list(BAD_PATTERNS))
+@pytest.mark.parametrize("tokens", PROOF_TOKENS)
+def test_meta_proof_rejects_a_host_sync_planted_in_the_glue(
+    monkeypatch: pytest.MonkeyPatch, pattern: str, tokens: int
+) -> None:
+    """Each pattern planted on the routing ids the decode and prefill glue receive, and on a linear's input."""
+    moe, linear = _meta_kernels(_noop_ext())
+    for glue in ("_decode", "_prefill"):
+        monkeypatch.setattr(Exllamav3MoE, glue, planted(getattr(Exllamav3MoE, glue), BAD_PATTERNS[pattern], 3))
+    monkeypatch.setattr(Exllamav3Linear, "shard_product",
+                        planted(Exllamav3Linear.shard_product, BAD_PATTERNS[pattern], 1))
+    x, weights, ids = meta_routing(tokens, 2, HIDDEN - 32, torch.bfloat16)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        moe.forward(x, weights, ids, False)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        linear.forward(meta_routing(tokens, 1, 128)[0])
+
+
 @pytest.mark.parametrize("tokens", [3, 20])
-def test_glue_makes_no_host_synchronisation(tokens: int) -> None:
-    """Everything around the launches is device ops (the kernels are no-ops here): capturable in a CUDA graph."""
-    ext = make_fake_ext({name: (lambda a: 2) if name == "exl3_moe_max_concurrency" else (lambda a: None)
-                         for name in SIGNATURES})
+def test_glue_makes_no_host_synchronisation_by_op_name(tokens: int) -> None:
+    """The second net, on real tensors (the kernels are no-ops here): no forbidden op is dispatched."""
+    ext = _noop_ext()
     layer = _layer(ext)
     linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
                              ext=ext)

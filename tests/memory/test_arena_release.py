@@ -13,6 +13,8 @@ import torch
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.memory import arena as arena_mod
 
+from support.process_maps import is_mapped
+
 PAGE = 4096
 GIB = 1 << 30
 
@@ -58,14 +60,6 @@ def test_node_free_bytes_reads_meminfo(tmp_path) -> None:
     assert node_free_bytes(2, tmp_path) is None
 
 
-def _mapped(address: int) -> bool:
-    for line in open("/proc/self/maps"):
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
-
-
 def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCaptureFixture) -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
@@ -76,7 +70,7 @@ def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCap
     del view
     arena.close()
     arena.close()
-    assert not _mapped(base)
+    assert not is_mapped(base)
     assert arena_log.text.count("host arena released: 0.0 MiB unmapped") == 1
     with pytest.raises(RuntimeError, match="closed"):
         arena.reserve(PAGE)
@@ -85,10 +79,10 @@ def test_close_unmaps_once_and_refuses_under_live_views(arena_log: pytest.LogCap
 def test_collected_arena_is_released() -> None:
     arena = HostArena(4 * PAGE)
     base = arena.device_address(0)
-    assert _mapped(base)
+    assert is_mapped(base)
     del arena
     gc.collect()
-    assert not _mapped(base)
+    assert not is_mapped(base)
 
 
 def test_released_at_process_exit() -> None:
@@ -101,3 +95,113 @@ def test_released_at_process_exit() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "host arena released: 1.0 MiB unmapped" in result.stderr
+
+
+FORKED_EXIT = """
+import logging, multiprocessing, os, sys
+import torch
+logging.basicConfig(level=logging.INFO, format="%(process)d %(message)s", stream=sys.stderr)
+from vllm_expert_offload.memory import HostArena
+
+def worker():
+    arena = HostArena(1 << 20)
+    arena.view(arena.reserve(4096), (4096,), torch.uint8).fill_(1)
+    globals()["held"] = arena  # held until the worker process ends, as a model holds its arena
+
+if __name__ == "__main__":
+    parent = HostArena(2 << 20)
+    child = multiprocessing.get_context("fork").Process(target=worker)
+    child.start()
+    child.join()
+    print(f"child {child.pid} exit {child.exitcode}", file=sys.stderr)
+"""
+
+
+def test_a_forked_worker_releases_its_arena_when_it_ends(tmp_path) -> None:
+    """vLLM forks its workers on GPU machines, and a forked child ends with os._exit: no atexit handler runs there.
+    Each process releases exactly its own arena, once (the child inherits none of the parent's finalizers)."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_EXIT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    child = int(result.stderr.split("child ")[1].split()[0])
+    released = [line for line in result.stderr.splitlines() if "host arena released" in line]
+    assert sorted(released) == sorted([f"{child} host arena released: 1.0 MiB unmapped",
+                                       f"{result.stderr.split()[0]} host arena released: 2.0 MiB unmapped"]), released
+    assert f"child {child} exit 0" in result.stderr
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The CUDA registration calls faked on the CPU (device alias = host address + 1 MiB); returns the calls."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(arena_mod._cuda_host, "host_register_mapped", lambda address, n: calls.append(("register", address)))
+    monkeypatch.setattr(arena_mod._cuda_host, "host_unregister", lambda address: calls.append(("unregister", address)))
+    monkeypatch.setattr(arena_mod._cuda_host, "host_device_pointer", lambda address, device: address + (1 << 20))
+    return calls
+
+
+def test_registered_arena_unregistered_and_unmapped_once(fake_cuda, arena_log) -> None:
+    arena = HostArena(4 * PAGE, device="cuda")
+    base = arena.device_address(0) - (1 << 20)
+    assert fake_cuda == [("register", base)]
+    arena.close()
+    arena.release("after close")
+    del arena
+    gc.collect()
+    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
+    assert arena_log.text.count("host arena released: 0.0 MiB unregistered and unmapped") == 1
+
+
+def test_a_failing_device_pointer_after_registration_is_undone(fake_cuda, monkeypatch, arena_log) -> None:
+    from vllm_expert_offload.memory._cuda_host import CudaError
+
+    def no_alias(address: int, device: torch.device) -> int:
+        raise CudaError(f"cudaHostGetDevicePointer(host={address:#x}) failed: cudaError 1 (cudaErrorInvalidValue)")
+
+    monkeypatch.setattr(arena_mod._cuda_host, "host_device_pointer", no_alias)
+    with pytest.raises(CudaError, match="cudaHostGetDevicePointer"):
+        HostArena(4 * PAGE, device="cuda")
+    base = fake_cuda[0][1]
+    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
+    assert arena_log.text.count("host arena released: ") == 1
+    assert "host arena released: 0.0 MiB unregistered and unmapped (set-up failed: CudaError: " in arena_log.text
+    gc.collect()
+    assert fake_cuda == [("register", base), ("unregister", base)]  # nothing ends it a second time
+
+
+def test_a_failing_numa_bind_unmaps_before_the_error(two_nodes, monkeypatch, arena_log) -> None:
+    monkeypatch.setattr(arena_mod, "node_free_bytes", lambda node: 64 * GIB)
+    monkeypatch.setattr(arena_mod, "_syscall", lambda *args: -1)
+    with pytest.raises(OSError, match="mbind"):
+        HostArena(16 * PAGE, numa_node=1)
+    assert arena_log.text.count("host arena released: 0.1 MiB unmapped (set-up failed: ") == 1
+    assert "mbind(MPOL_BIND, node 1) of 65536 bytes" in arena_log.text
+
+
+def test_release_with_live_views_frees_the_pages_and_unmaps_with_the_last_view(arena_log) -> None:
+    """A load that failed midway: a view still alive somewhere reads zeros, never unmapped memory."""
+    arena = HostArena(4 * PAGE)
+    base = arena.device_address(0)
+    view = arena.view(arena.reserve(PAGE), (PAGE,), torch.uint8).fill_(7)
+    arena.release("the model load failed: test")
+    assert int(view.sum()) == 0 and is_mapped(base)
+    assert ("host arena released: 0.0 MiB its pages freed (live views read zeros; unmapped with the last) "
+            "(the model load failed: test)") in arena_log.text
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.reserve(PAGE)
+    arena.close()
+    del arena
+    gc.collect()
+    assert is_mapped(base)  # the view still maps it
+    del view
+    gc.collect()
+    assert not is_mapped(base) and arena_log.text.count("host arena released: ") == 1
+
+
+def test_release_without_views_unmaps_at_once(arena_log) -> None:
+    arena = HostArena(4 * PAGE)
+    base = arena.device_address(0)
+    arena.release("the model load failed: test")
+    assert not is_mapped(base)
+    assert "host arena released: 0.0 MiB unmapped (the model load failed: test)" in arena_log.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,10 @@ def test_valid_options(tmp_path) -> None:
         ({"host_fraction": True}, "expert_offload.host_fraction"),
         ({"gpu_budget_gib": -1}, "expert_offload.gpu_budget_gib"),
         ({"gpu_budget_gib": float("nan")}, "expert_offload.gpu_budget_gib"),
+        ({"gpu_budget_gib": float("inf")}, "expert_offload.gpu_budget_gib"),
+        ({"gpu_budget_gib": 10**300}, "expert_offload.gpu_budget_gib: 1000000000000"),  # a float, far out of range
+        ({"gpu_budget_gib": 10**400}, "expert_offload.gpu_budget_gib: an integer of 1329 bits is too large"),
+        ({"host_fraction": 10**400}, "expert_offload.host_fraction: an integer of 1329 bits"),
         ({"plan": "/nonexistent/plan.json"}, "expert_offload.plan"),
         ({"host_fracton": 0.5}, "expert_offload.host_fracton"),
         ({"host_fraction": 0.5, "gpu_budget_gib": 4}, "give one of"),
@@ -105,7 +110,9 @@ def test_record_stats_interval(tmp_path) -> None:
     assert parse_offload_options({"expert_offload": {"record_stats": path}}).record_stats_interval_s == 300.0
     opts = parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": 2.5}})
     assert (opts.record_stats, opts.record_stats_interval_s) == (tmp_path / "stats.json", 2.5)
-    for bad in (0, -5, "300", float("inf")):
+    assert parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": 1}}
+                                 ).record_stats_interval_s == 1.0
+    for bad in (0, -5, "300", float("inf"), 1e-300, 0.999, 10**400):
         with pytest.raises(OffloadOptionError, match=r"--additional-config expert_offload\.record_stats_interval_s"):
             parse_offload_options({"expert_offload": {"record_stats": path, "record_stats_interval_s": bad}})
     with pytest.raises(OffloadOptionError, match=r"record_stats_interval_s: only used together with record_stats"):
@@ -126,3 +133,31 @@ def test_record_stats_path_that_cannot_be_written_is_refused_with_the_path_named
         message = str(err.value)
         assert message.startswith("--additional-config expert_offload.record_stats:") and str(path) in message
         assert reason in message
+
+
+def test_record_stats_target_that_is_not_a_regular_file_is_refused_untouched(tmp_path, monkeypatch) -> None:
+    """A save renames a new file over the path, so whatever is there is replaced: refused at startup, by lstat
+    alone (a FIFO opened for reading would block startup; nothing at the path is opened)."""
+    regular = tmp_path / "stats.json"
+    regular.write_text("{}")
+    fifo, link, dangling = tmp_path / "fifo", tmp_path / "link.json", tmp_path / "dangling.json"
+    os.mkfifo(fifo)
+    link.symlink_to(regular)
+    dangling.symlink_to(tmp_path / "nowhere.json")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "sock"))
+    server.close()
+    cases = [(fifo, "a FIFO"), (link, "a symbolic link"), (dangling, "a symbolic link"),
+             (tmp_path / "sock", "a socket"), (Path("/dev/null"), "a character device")]
+    before = {path: os.lstat(path) for path, _ in cases}
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    for path, what in cases:
+        with pytest.raises(OffloadOptionError) as err:
+            parse_offload_options({"expert_offload": {"record_stats": str(path)}})
+        assert str(err.value) == (f"--additional-config expert_offload.record_stats: {path} is {what}; expected a "
+                                  "regular file or a new file's path")
+        assert os.lstat(path) == before[path]
+    assert not [name for name in opened if Path(name) in before]
+    assert parse_offload_options({"expert_offload": {"record_stats": str(regular)}}).record_stats == regular

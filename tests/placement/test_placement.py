@@ -76,6 +76,24 @@ def test_budget_respected_and_no_room_left(mixed):
             assert (~plan).sum() == 0 or sizes[~plan].min() > budget - used, f"seed {seed}: a host expert still fits"
 
 
+@pytest.mark.parametrize(("sizes", "budget", "counts", "balance", "want"), [
+    # The fix-up: after the 20-byte expert, the 10-byte one fills the leftover 10 bytes exactly.
+    ([[10, 20]], 30, [[0, 0]], False, [[True, True]]),
+    ([[10, 20]], 30, None, False, [[True, True]]),
+    # The exact solver: taking the hot 20-byte expert uses the budget to the byte (two cold 10-byte ones would fit
+    # as well, and keep less traffic).
+    ([[10, 10, 20]], 20, [[1, 1, 10]], False, [[False, False, True]]),
+    # Every expert fits exactly.
+    ([[10, 20], [30, 40]], 100, [[1, 2], [3, 4]], False, [[True, True], [True, True]]),
+    # The balancing greedy: the 10-byte expert fits the 10 bytes the hot one leaves; skipping it would let the
+    # cold 5-byte one in instead, and the fix-up could not take it back.
+    ([[10, 20, 5]], 30, [[3, 5, 1]], True, [[True, True, False]]),
+])
+def test_an_expert_that_fits_the_budget_exactly_is_placed_on_the_gpu(sizes, budget, counts, balance, want):
+    cost = DecodeCostModel(top_k=1) if balance else None
+    assert plan_placement(sizes, budget, counts, balance_layers=cost).tolist() == want
+
+
 def test_exact_against_brute_force_mixed_sizes():
     for seed in range(120):
         rng = np.random.default_rng(1000 + seed)

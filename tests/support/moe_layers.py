@@ -86,15 +86,24 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor) -> None:
 
 class NoHostSync(TorchDispatchMode):
     """Fails on every op whose result shape or control flow needs the device's data on the host, and on any
-    copy from a device to the host: in a CUDA graph these either break capture or freeze one batch's values."""
+    copy from a device to the host: in a CUDA graph these either break capture or freeze one batch's values.
+
+    The second net behind the meta-device proof (meta_proof.py): it sees only what reaches the dispatcher by a
+    name it knows, so `.tolist()`, `.numpy()` and copies into host tensors slip through it; the proof does not."""
 
     FORBIDDEN = ("aten::nonzero", "aten::unique", "aten::_unique", "aten::unique_dim", "aten::unique_consecutive",
-                 "aten::_local_scalar_dense", "aten::masked_select", "aten::item")
+                 "aten::_local_scalar_dense", "aten::masked_select", "aten::item", "aten::bincount")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if name.startswith(self.FORBIDDEN):
             raise AssertionError(f"host synchronisation: {name}")
+        if name == "aten::repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor") and (
+                kwargs or {}).get("output_size") is None:
+            raise AssertionError(f"host synchronisation: {name} without output_size")
+        if name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ()):
+            raise AssertionError(f"host synchronisation: {name} with a boolean mask")
         if name in ("aten::_to_copy", "aten::copy_", "aten::to"):
             tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
             target = (kwargs or {}).get("device")

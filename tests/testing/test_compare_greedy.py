@@ -25,6 +25,7 @@ def test_identical_outputs_match_with_every_step_of_every_prompt_compared() -> N
     ("broken", "why"),
     [
         (lambda toks: toks[:1], "2 of 3 prompts missing"),
+        (lambda toks: toks + [toks[0]], "an extra prompt"),
         (lambda toks: [t[:8] for t in toks], "every output cut to 8 tokens"),
         (lambda toks: [[] for _ in toks], "every output empty"),
         (lambda toks: [toks[0], toks[1], toks[2] + [7]], "one output too long"),

@@ -32,6 +32,10 @@ def register_plugin() -> None:
     from .startup.engine_hooks import install as install_engine_hooks
 
     install_engine_hooks()
+    # A model load that fails midway releases the host arena before the error propagates.
+    from .startup.failed_load import install as install_failed_load
+
+    install_failed_load()
     from .startup.worker_rpc import install as install_worker_rpc
 
     install_worker_rpc()

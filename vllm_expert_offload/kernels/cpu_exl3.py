@@ -21,6 +21,7 @@ from ..exl3.codebook import codebook_table
 from ..exl3.encode import register_compiled_viterbi
 from .contract import Backend
 from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
+from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
 
@@ -51,6 +52,11 @@ def extension() -> ModuleType:
     return loaded
 
 
+def kernel_sources() -> tuple[Path, ...]:
+    """The C++ files the extension is built from (what a fixture encoded by its Viterbi search depends on)."""
+    return EXTENSION.sources
+
+
 def cpu_kernel_unavailable() -> str | None:
     """None when the CPU kernel is built and loadable, else why not (the build is attempted once)."""
     try:
@@ -72,12 +78,16 @@ def _codebook_values() -> torch.Tensor:
     return torch.stack([codebook_table(cb).float() for cb, _ in rows]).contiguous()
 
 
-def launch_cpu_matmul(
+def _exl3_matmul_compiled(
     a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
 ) -> None:
-    """out[row] = a[row] @ W_hat[matrix of row's block] (same contract as the Triton launcher), fp32."""
+    """out[row] = a[row] @ W_hat[matrix of row's block] (the Triton launcher's contract), fp32."""
     extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
                                  _codebook_values(), table.in_features, table.out_features, BLOCK_M, out)
+
+
+# An op (launch_ops.py), so the glue around it runs on the meta device in the no-sync proof.
+launch_cpu_matmul = register_table_launch("exl3_matmul_cpu", _exl3_matmul_compiled)
 
 
 CPU_MATMUL = MatmulBackend("cpu", launch_cpu_matmul, block_m=BLOCK_M, per_slot_max_tokens=0,

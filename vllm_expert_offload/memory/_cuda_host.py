@@ -73,14 +73,15 @@ def host_register_mapped(address: int, nbytes: int) -> None:
 
 
 def host_unregister(address: int) -> None:
+    """Undo host_register_mapped, once every kernel queued on the device (which may read the range) has finished."""
+    torch.cuda.synchronize()
     _check(f"cudaHostUnregister({address:#x})", _cudart().cudaHostUnregister(address))
 
 
-def host_device_pointer(address: int) -> int:
-    """The device alias of a registered host address, for the current device (equals it on Linux with UVA)."""
+def host_device_pointer(address: int, device: torch.device) -> int:
+    """The device alias of a registered host address on `device` (equals it on Linux with UVA)."""
     device_ptr = ctypes.c_void_p()
-    _check(
-        f"cudaHostGetDevicePointer(host={address:#x})",
-        _cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), address, 0),
-    )
+    with torch.cuda.device(device):
+        code = _cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), address, 0)
+    _check(f"cudaHostGetDevicePointer(host={address:#x})", code)
     return int(device_ptr.value or 0)

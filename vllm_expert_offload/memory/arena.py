@@ -12,8 +12,12 @@ A strict bind on a node with less free memory than the arena would let the kerne
 registration faults the pages in, so then the node is only preferred (the rest spills to other nodes), with
 a warning that gives the numbers.
 
-Release: unregister, then unmap, exactly once: from `close()`, or from a finalizer when the arena is
-collected or the process exits (engine shutdown), logged either way.
+Release: unregister, then unmap, exactly once, logged ("host arena released: ..."), whichever comes first of:
+`close()`; `release(why)` for a load that failed midway (the pages are given back at once even while views
+remain: those read zeros from then on, and the range is unmapped with the last of them); a set-up that fails
+halfway (a failing cudaHostGetDevicePointer after cudaHostRegister undoes the registration before the error
+propagates); and a multiprocessing finalizer when the arena is collected or the process exits, which, unlike
+`weakref.finalize`'s atexit hook, also runs in a worker forked by vLLM (offload/process.py `at_process_exit`).
 
 On a CPU-only machine the same code runs minus the CUDA registration, and `device_address` returns the host
 address: the layout, alignment, bounds and NUMA bookkeeping are what CPU tests check, and an unregistered
@@ -27,9 +31,9 @@ import functools
 import logging
 import math
 import mmap
+import multiprocessing.util
 import os
 import platform
-import weakref
 
 import torch
 
@@ -93,6 +97,39 @@ def bind_to_node(address: int, length: int, node: int, mode: int = MPOL_BIND) ->
                       f"{os.strerror(errno)}")
 
 
+class _Mapping:
+    """The arena's memory and its CUDA registration: what close(), release(), a failed set-up and the finalizer
+    end, once between them (no reference to the arena, so the finalizer can hold it)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # A fork would otherwise copy every pinned page into the child eagerly (pinned pages cannot be CoW-shared).
+        self.mapping.madvise(mmap.MADV_DONTFORK)
+        self.host_base = 0
+        self.registered = False
+        self.released = False
+
+    def end(self, unmap: bool = True, why: str = "") -> None:
+        """Unregister (after the device has finished every kernel that may read the mapping), then unmap, or with
+        `unmap` False give the pages back and leave the range to the views that still map it."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            if self.registered:
+                _cuda_host.host_unregister(self.host_base)
+        finally:  # the memory goes back even when the driver refuses to unregister (that error propagates)
+            if unmap:
+                self.mapping.close()
+            else:
+                self.mapping.madvise(mmap.MADV_DONTNEED)
+        logger.info("host arena released: %.1f MiB %s%s%s", self.capacity / 2**20,
+                    "unregistered and " if self.registered else "",
+                    "unmapped" if unmap else "its pages freed (live views read zeros; unmapped with the last)",
+                    f" ({why})" if why else "")
+
+
 class HostArena:
     """Bump allocator over one host buffer; see the module docstring for why it exists and how it is backed."""
 
@@ -104,21 +141,24 @@ class HostArena:
             raise ValueError(f"arena device must be cpu or cuda, got {self.device}")
         self._capacity = align_up(capacity_bytes)
         self._used = 0
-        self._mmap = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # A fork would otherwise copy every pinned page into the child eagerly (pinned pages cannot be CoW-shared).
-        self._mmap.madvise(mmap.MADV_DONTFORK)
-        self._buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self._host_base = self._buffer.data_ptr()
-        self.numa_node = self._bind(numa_node)
-        self._device_base = self._host_base
-        if self.device.type == "cuda":
-            _cuda_host.host_register_mapped(self._host_base, self._capacity)
-            with torch.cuda.device(self.device):
-                self._device_base = _cuda_host.host_device_pointer(self._host_base)
+        self._state = _Mapping(self._capacity)
+        try:
+            self._buffer = torch.frombuffer(self._state.mapping, dtype=torch.uint8)
+            self._host_base = self._state.host_base = self._buffer.data_ptr()
+            self.numa_node = self._bind(numa_node)
+            self._device_base = self._host_base
+            if self.device.type == "cuda":
+                _cuda_host.host_register_mapped(self._host_base, self._capacity)
+                self._state.registered = True
+                self._device_base = _cuda_host.host_device_pointer(self._host_base, self.device)
+        except BaseException as exc:
+            self._buffer = None
+            self._state.end(why=f"set-up failed: {type(exc).__name__}: {exc}")
+            raise
         self._base_uses = self._storage_uses()
-        self._finalizer = weakref.finalize(
-            self, _release, self._mmap, self._host_base, self._capacity, self.device.type == "cuda"
-        )
+        # Runs when the arena is collected or the process exits, forked workers included; after the statistics'
+        # exit save (priority 10), and at most once with close() and release().
+        multiprocessing.util.Finalize(self, self._state.end, exitpriority=0)
         # Where to look in /proc/<pid>/maps: with the release line, the evidence that shutdown unmapped it.
         logger.info("host arena mapped: %.1f MiB at %#x-%#x in pid %d", self._capacity / 2**20, self._host_base,
                     self._host_base + self._capacity, os.getpid())
@@ -152,7 +192,7 @@ class HostArena:
         return torch._C._storage_Use_Count(self._buffer.untyped_storage()._cdata)
 
     def _require_open(self) -> None:
-        if not self._finalizer.alive:
+        if self._state.released:
             raise RuntimeError("the host arena is closed")
 
     @property
@@ -217,18 +257,19 @@ class HostArena:
 
     def close(self) -> None:
         """Unregister and unmap now. Refused while views are alive: unmapping would leave them dangling."""
-        if not self._finalizer.alive:
+        if self._state.released:
             return
         if self._storage_uses() > self._base_uses:
             raise RuntimeError("host arena still has live views; drop every tensor viewing it before close()")
         del self._buffer
-        self._finalizer()
+        self._state.end()
 
-
-def _release(mapping: mmap.mmap, host_base: int, capacity: int, registered: bool) -> None:
-    """Unregister (after the device has finished every kernel that may read the mapping), then unmap."""
-    if registered:
-        torch.cuda.synchronize()
-        _cuda_host.host_unregister(host_base)
-    mapping.close()
-    logger.info("host arena released: %.1f MiB %sunmapped", capacity / 2**20, "unregistered and " if registered else "")
+    def release(self, why: str) -> None:
+        """Unregister and give the memory back now, views or not: the load that filled the arena failed (`why`,
+        logged), so nothing will read it again. Views that are still alive (in a traceback's frames, say) read
+        zeros from then on instead of dangling; the address range is unmapped with the last of them."""
+        if self._state.released:
+            return
+        views = self._storage_uses() > self._base_uses
+        del self._buffer
+        self._state.end(unmap=not views, why=why)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExpertOffloadError
+from ..placement._atomic import replace_refusal
 from ..validation import finite_number, refuse_unknown
 
 OPTION_KEY = "expert_offload"
@@ -24,6 +25,7 @@ _KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "record_stats_int
                     "dequantize_linears"})
 DEFAULT_MIN_FREE_FRACTION = 0.03
 DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
+MIN_RECORD_STATS_INTERVAL_S = 1.0  # each save is an engine-wide RPC and a file write: not a busy loop
 
 
 class OffloadOptionError(ExpertOffloadError, ValueError):
@@ -51,8 +53,8 @@ def _where(key: str) -> str:
     return f'--additional-config {OPTION_KEY}.{key}'
 
 
-def _number(raw: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    return finite_number(raw[key], _where(key), OffloadOptionError, lo, hi) if key in raw else None
+def _number(raw: dict[str, Any], key: str, lo: float, hi: float, default: float | None = None) -> float | None:
+    return finite_number(raw[key], _where(key), OffloadOptionError, lo, hi) if key in raw else default
 
 
 def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
@@ -67,13 +69,16 @@ def _path(raw: dict[str, Any], key: str, must_exist: bool) -> Path | None:
 
 
 def _output_path(raw: dict[str, Any], key: str) -> Path | None:
-    """A file the plugin will write while serving: its directory must exist and take a new file now, so a typo
-    or a read-only mount is refused at startup instead of being found at the first save, hours into serving."""
+    """A file the plugin will write while serving: absent or a regular file (each save renames a new file over it,
+    so a FIFO, a device node such as /dev/null, a socket or a symbolic link there would be replaced; they are
+    refused, untouched), in an existing directory that takes a new file now, so a typo or a read-only mount is
+    refused at startup instead of being found at the first save, hours into serving."""
     path = _path(raw, key, must_exist=False)
     if path is None:
         return None
-    if path.is_dir():
-        raise OffloadOptionError(f"{_where(key)}: {path} is a directory; expected a file path")
+    what = replace_refusal(path)
+    if what is not None:
+        raise OffloadOptionError(f"{_where(key)}: {path} is {what}; expected a regular file or a new file's path")
     directory = path.parent
     if not directory.is_dir():
         raise OffloadOptionError(f"{_where(key)}: directory {directory} of {path} does not exist")
@@ -83,15 +88,6 @@ def _output_path(raw: dict[str, Any], key: str) -> Path | None:
     except OSError as exc:
         raise OffloadOptionError(f"{_where(key)}: directory {directory} of {path} is not writable ({exc})") from None
     return path
-
-
-def _positive(raw: dict[str, Any], key: str, default: float) -> float:
-    if key not in raw:
-        return default
-    value = _number(raw, key, -math.inf, math.inf)
-    if value <= 0:
-        raise OffloadOptionError(f"{_where(key)}: {value} must be greater than 0")
-    return value
 
 
 def _choice(raw: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -128,9 +124,9 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         host_fraction=_number(raw, "host_fraction", 0.0, 1.0),
         stats=_path(raw, "stats", must_exist=True),
         record_stats=_output_path(raw, "record_stats"),
-        record_stats_interval_s=_positive(raw, "record_stats_interval_s", DEFAULT_RECORD_STATS_INTERVAL_S),
-        min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5) if "min_free_fraction" in raw
-        else DEFAULT_MIN_FREE_FRACTION,
+        record_stats_interval_s=_number(raw, "record_stats_interval_s", MIN_RECORD_STATS_INTERVAL_S, math.inf,
+                                        DEFAULT_RECORD_STATS_INTERVAL_S),
+        min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5, DEFAULT_MIN_FREE_FRACTION),
         kernel=_choice(raw, "kernel", BACKENDS, "auto"),
         dequantize_linears=_flag(raw, "dequantize_linears"),
     )

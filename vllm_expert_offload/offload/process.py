@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ExpertOffloadError
 from ..exl3.validate import CheckpointSummary
 from ..memory.arena import HostArena
 from ..placement import RoutingCounts
@@ -32,13 +33,18 @@ def _arena_numa_node(device: torch.device) -> int | None:
     return numa_node_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def at_process_exit(callback: Callable[..., object], *args: object) -> None:
+def at_process_exit(callback: Callable[..., object], *args: object) -> multiprocessing.util.Finalize:
     """Call `callback(*args)` when this process ends normally: also in a child started with the fork method.
+    Returns the finalizer: calling it runs the callback now instead (once), `.cancel()` drops it.
 
     vLLM forks its engine-core and worker processes on GPU machines, and a forked multiprocessing child ends
     with os._exit, so `atexit` handlers never run there; multiprocessing runs its own finalizers when the child's
     target returns or raises (SystemExit on SIGTERM included), and from atexit in the main process."""
-    multiprocessing.util.Finalize(None, callback, args, exitpriority=10)
+    return multiprocessing.util.Finalize(None, callback, args, exitpriority=10)
+
+
+class StartupCountsSpent(ExpertOffloadError, RuntimeError):
+    """The routing counts of startup were already dropped; the counts of serving are never reset on request."""
 
 
 class ProcessPlacement:
@@ -49,22 +55,27 @@ class ProcessPlacement:
         geometry: ExpertGeometry,
         top_k: int,
         device: torch.device,
+        gpu_bytes: int | None = None,
     ) -> None:
+        """`gpu_bytes`: the memory of this worker's GPU (None off CUDA), the bound a budget or plan must fit."""
         self.options = options
         self.geometry = geometry
         self.top_k = top_k
         self.moe_layers = summary.layout.moe_layers
         self.record_bytes = record_bytes_matrix(summary, geometry)
         self.identity = model_identity(summary, geometry.tp_size, self.record_bytes)
-        self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity)
-        host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
-        self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
+        self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity, gpu_bytes)
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
+        host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
+        # Last of what can fail here: nothing is left holding a mapped arena when an earlier step raises.
+        self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counting_since = time.time()
+        self.startup_counts_spent = False
         self.recording = options.record_stats is not None
         self.loading_peak_bytes = 0  # CUDA: peak allocated while the MoE layers were loaded (memory_report)
+        self._exit_save = None
         if self.recording and geometry.tp_rank == 0:
-            at_process_exit(self.save_stats, options.record_stats, "at exit")
+            self._exit_save = at_process_exit(self.save_stats, options.record_stats, "at exit")
         n_host = int((~self.gpu_tier).sum())
         logger.info(
             "expert placement (tp rank %d): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
@@ -73,6 +84,14 @@ class ProcessPlacement:
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
             self.record_bytes[self.gpu_tier].sum() / 2**20, source,
         )
+
+    def release(self, why: str) -> None:
+        """Give the host arena back now and write no statistics at exit: the load this placement was made for
+        failed (`why`), and counts of a model that never served must not replace a record_stats file."""
+        if self._exit_save is not None:
+            self._exit_save.cancel()
+        if self.arena is not None:
+            self.arena.release(why)
 
     def gpu_tier_sizes(self) -> list[int]:
         """Bytes of each GPU-tier expert on this rank (what the crash line offers to move to the host)."""
@@ -104,7 +123,12 @@ class ProcessPlacement:
         ids = topk_ids.reshape(-1).long()
         self.counts[self.row(layer)].index_add_(0, ids, torch.ones_like(ids))
 
-    def reset_counts(self) -> None:
+    def discard_startup_counts(self) -> None:
+        """Zero what startup routed (vLLM's warm-up runs, the readiness smoke), once, when the plugin hands the
+        engine out; refused afterwards, so nothing that reaches the worker later can erase what serving counted."""
+        if self.startup_counts_spent:
+            raise StartupCountsSpent("the routing counts of startup were dropped already; serving's are never reset")
+        self.startup_counts_spent = True
         self.counts.zero_()
         self.counting_since = time.time()
 

@@ -16,7 +16,7 @@ from ..exl3.tensors import Exl3Linear, parse_linear
 from ..exl3.validate import CheckpointSummary
 from ..placement import ModelIdentity, RoutingCounts, load_plan, plan_placement
 from ..units import GIB
-from .options import OffloadOptions
+from .options import OPTION_KEY, OffloadOptionError, OffloadOptions
 from .tiers import host_record_bytes
 
 
@@ -73,12 +73,18 @@ def model_identity(summary: CheckpointSummary, tp_size: int, record_bytes: np.nd
     return ModelIdentity.from_expert_bytes(layout.architecture, layout.num_layers, layout.moe_layers, tp_size, record_bytes)
 
 
-def make_plan(options: OffloadOptions, record_bytes: np.ndarray, identity: ModelIdentity) -> tuple[np.ndarray, str]:
-    """GPU-tier mask [moe layers, experts] and a phrase saying where it came from (for the startup log)."""
+def make_plan(
+    options: OffloadOptions, record_bytes: np.ndarray, identity: ModelIdentity, gpu_bytes: int | None = None
+) -> tuple[np.ndarray, str]:
+    """GPU-tier mask [moe layers, experts] and a phrase saying where it came from (for the startup log). With
+    `gpu_bytes`, the memory of this worker's GPU, a budget or plan that cannot fit it is refused by name."""
     layers, experts = record_bytes.shape
     if options.plan is not None:
-        return load_plan(options.plan, identity), f"plan file {options.plan}"
+        return load_plan(options.plan, identity, record_bytes, gpu_bytes), f"plan file {options.plan}"
     if options.gpu_budget_gib is not None:
+        if gpu_bytes is not None and options.gpu_budget_gib * GIB > gpu_bytes:
+            raise OffloadOptionError(f"--additional-config {OPTION_KEY}.gpu_budget_gib: {options.gpu_budget_gib:g} GiB "
+                                     f"is more than this GPU's {gpu_bytes / GIB:.2f} GiB")
         counts = None if options.stats is None else RoutingCounts.load(options.stats, identity).counts
         plan = plan_placement(record_bytes, options.gpu_budget_gib * GIB, counts)
         stats = "" if counts is None else f" with statistics {options.stats}"

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ._validate import as_matrix, read_versioned_json
+from ..units import GIB
+from ._validate import as_byte_count, as_matrix, read_versioned_json
 from .errors import PlacementError
 
 PLAN_FORMAT = "vllm-expert-offload/plan"
@@ -125,21 +126,47 @@ def save_plan(
     Path(path).write_text(head + ',\n  "gpu_experts": {\n' + ",\n".join(layers) + "\n  }\n}\n")
 
 
-def load_plan(path: str | Path, expected: ModelIdentity) -> np.ndarray:
-    """The GPU mask stored at `path`, refused (ValueError naming the field) unless it was made for `expected`."""
-    plan, identity = read_plan(path)
+def load_plan(
+    path: str | Path, expected: ModelIdentity, expert_bytes: np.ndarray | None = None, gpu_bytes: int | None = None
+) -> np.ndarray:
+    """The GPU mask stored at `path`, refused (ValueError naming the field) unless it was made for `expected`.
+
+    With the running model's `expert_bytes` [moe layers, experts] the GPU tier's bytes are checked against the
+    file's `budget_bytes` (a hand edit that moves experts to the GPU past the budget the plan was made for), and
+    with `gpu_bytes` (the memory of the GPU serving it) both are checked against the GPU: an over-budget plan is
+    refused here, before anything is loaded, not found by the crash line after the KV cache is allocated."""
+    plan, identity, budget = _read(path)
     difference = identity.first_difference(expected)
     if difference:
         raise PlacementError(f"plan file {path} was made for another model: {difference}")
+    if gpu_bytes is not None and budget is not None and budget > gpu_bytes:
+        raise PlacementError(f"plan file {path}: budget_bytes {budget} ({budget / GIB:.2f} GiB) is more than this "
+                             f"GPU's {gpu_bytes} bytes ({gpu_bytes / GIB:.2f} GiB)")
+    if expert_bytes is not None:
+        gpu_tier = int(np.asarray(expert_bytes)[plan].sum())
+        if budget is not None and gpu_tier > budget:
+            raise PlacementError(f"plan file {path}: its GPU-tier experts take {gpu_tier} bytes, more than its "
+                                 f"budget_bytes {budget}; move experts to the host tier or make the plan again")
+        if gpu_bytes is not None and gpu_tier > gpu_bytes:
+            raise PlacementError(f"plan file {path}: its GPU-tier experts take {gpu_tier} bytes "
+                                 f"({gpu_tier / GIB:.2f} GiB), more than this GPU's {gpu_bytes / GIB:.2f} GiB")
     return plan
 
 
 def read_plan(path: str | Path) -> tuple[np.ndarray, ModelIdentity]:
     """The GPU mask stored at `path` and the identity it records, for tools that work without the model."""
+    plan, identity, _ = _read(path)
+    return plan, identity
+
+
+def _read(path: str | Path) -> tuple[np.ndarray, ModelIdentity, int | None]:
     where = f"plan file {path}"
     doc = read_versioned_json(path, where, PLAN_FORMAT, PLAN_VERSION)
     identity = ModelIdentity.from_json(doc.get("model"), where)
-    return _gpu_mask(doc.get("gpu_experts"), identity, where), identity
+    budget = doc.get("budget_bytes")
+    if budget is not None:
+        budget = as_byte_count(f"{where}: budget_bytes", budget)
+    return _gpu_mask(doc.get("gpu_experts"), identity, where), identity, budget
 
 
 def _gpu_mask(entries: object, identity: ModelIdentity, where: str) -> np.ndarray:

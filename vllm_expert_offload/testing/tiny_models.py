@@ -1,7 +1,8 @@
 """Tiny EXL3 MoE checkpoints built at test time: random HF weights -> EXL3, with a locally trained tokenizer.
 
 Nothing is downloaded. Builds are cached under a content hash (architecture, options, the code that builds
-them, library versions), so a test session pays for each fixture once and a code change rebuilds it.
+them and every format-layer module it imports, the Viterbi search that ran and the compiled one's C++ sources,
+library and Python versions), so a test session pays for each fixture once and a code change rebuilds it.
 
 Sizes are chosen so that every quantized dim splits into 128-element Hadamard blocks at tensor-parallel 2,
 and attention head dims are ones vLLM's CPU attention supports; `config_overrides` departs from that on purpose
@@ -10,6 +11,7 @@ and attention head dims are ones vLLM's CPU attention supports; `config_override
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import importlib
@@ -17,6 +19,7 @@ import inspect
 import io
 import json
 import os
+import platform
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -28,8 +31,9 @@ import torch
 from ..exl3.checkpoint import split_name
 from ..exl3.codebook import Codebook
 from ..exl3.convert import BLOCK_FP8_SCALE, convert_checkpoint, write_dense_twin
+from ..exl3.encode import compiled_viterbi
 from ..exl3.naming import HEAD, LINEAR_LEAVES
-from ..kernels import cpu_exl3  # noqa: F401  (offers the compiled Viterbi to the encoder)
+from ..kernels import cpu_exl3  # also offers the compiled Viterbi to the encoder
 
 CACHE_ENV = "VLLM_EXPERT_OFFLOAD_FIXTURE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/vllm-expert-offload/fixtures")
@@ -160,11 +164,73 @@ def build_hf_model(
     return out_dir
 
 
-# Modules whose source decides what a fixture contains; their text is part of every cache key.
+# Modules whose source decides what a fixture contains: their text, and the text of every module of the format
+# layer they import (`fixture_sources`), is part of every cache key. Naming the encoder's module in `code` says the
+# fixture was Viterbi-encoded, which also keys it by the search that ran (`viterbi_inputs`).
 BUILD_CODE = ("vllm_expert_offload.testing.tiny_models", "vllm_expert_offload.exl3.convert")
-ENCODE_CODE = ("vllm_expert_offload.exl3.encode", "vllm_expert_offload.exl3.ring", "vllm_expert_offload.exl3.tile")
-DECODE_CODE = ("vllm_expert_offload.exl3.decode", "vllm_expert_offload.exl3.ring", "vllm_expert_offload.exl3.tile",
-               "vllm_expert_offload.exl3.codebook", "vllm_expert_offload.exl3.hadamard")
+ENCODE_CODE = ("vllm_expert_offload.exl3.encode",)
+DECODE_CODE = ("vllm_expert_offload.exl3.decode",)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding vllm_expert_offload/
+# Where imports are followed: a build runs the format layer and the leaves, never the layers above it (the one
+# exception, the compiled Viterbi of kernels/cpu_exl3.py, is keyed by its C++ sources in `viterbi_inputs`).
+FOLLOWED = ("vllm_expert_offload.exl3", "vllm_expert_offload.errors", "vllm_expert_offload.units",
+            "vllm_expert_offload.validation")
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of package module `name`, found on disk (nothing is imported); None if it is not one."""
+    base = PACKAGE_ROOT.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Dotted names of the package modules `path` (module `name`) imports, in any scope, relative ones resolved;
+    the packages above each one too, since importing a module runs their __init__."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(filter(None, (".".join(package[: len(package) - node.level + 1]) if node.level else "",
+                                          node.module)))
+            candidates = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for candidate in candidates:
+            parts = candidate.split(".")
+            found.update(".".join(parts[:end]) for end in range(2, len(parts) + 1))
+    return {module for module in found if _module_file(module) is not None}
+
+
+def fixture_sources(code: Sequence[str]) -> list[Path]:
+    """The source files a fixture built by `code` (and BUILD_CODE) depends on: each module named, and every module
+    under FOLLOWED that they import, directly or not, found by reading import statements, so a new helper module of
+    the encoder or decoder is hashed without being listed anywhere."""
+    files: dict[str, Path] = {}
+    pending = [*BUILD_CODE, *code]
+    while pending:
+        name = pending.pop()
+        if name in files:
+            continue
+        files[name] = _module_file(name)
+        pending += [m for m in _imports(name, files[name]) if m.startswith(FOLLOWED) and m not in files]
+    return [files[name] for name in sorted(files)]
+
+
+def viterbi_inputs() -> dict[str, str]:
+    """Which Viterbi search encodes a fixture now: the compiled one (keyed by its C++ sources) or torch's, whose
+    states differ from it where fp32 rounds twice (exl3/encode.py)."""
+    if compiled_viterbi() is None:
+        return {"viterbi": "torch"}
+    return {"viterbi": "compiled", "sources": _digest([_source_bytes(path) for path in cpu_exl3.kernel_sources()])}
+
+
+def _source_bytes(path: Path) -> bytes:
+    return path.read_bytes()
 
 
 def _digest(parts: Sequence[bytes]) -> str:
@@ -175,13 +241,17 @@ def _digest(parts: Sequence[bytes]) -> str:
 
 
 def _cache_key(spec: Mapping[str, Any], code: Sequence[str]) -> str:
+    import safetensors
     import tokenizers
     import transformers
 
+    # The tokenizer is trained on standard-library docstrings (`_corpus`): Python's version shapes it too.
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "tokenizers": tokenizers.__version__}
-    sources = [Path(importlib.import_module(name).__file__).read_bytes() for name in sorted({*BUILD_CODE, *code})]
-    return _digest([json.dumps({"spec": spec, "versions": versions}, sort_keys=True).encode(), *sources])
+                "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__,
+                "python": platform.python_version()}
+    inputs = {"spec": spec, "versions": versions} | (viterbi_inputs() if set(ENCODE_CODE) <= set(code) else {})
+    sources = [_source_bytes(path) for path in fixture_sources(code)]
+    return _digest([json.dumps(inputs, sort_keys=True).encode(), *sources])
 
 
 def cached_fixture(

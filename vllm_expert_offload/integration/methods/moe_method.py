@@ -37,7 +37,8 @@ def _process_placement(quant_config, geometry: ExpertGeometry, top_k: int, devic
     """The quant config lives once per process, so it carries the process's placement (made at the first MoE
     layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated."""
     if quant_config.placement is None:
-        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device)
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
         quant_config.placement = placement

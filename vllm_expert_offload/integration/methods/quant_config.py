@@ -190,6 +190,12 @@ class Exl3Config(QuantizationConfig):
                 self.delegate.apply_vllm_mapper(self.vllm_mapper)
             self.delegate.maybe_update_config(model_name, hf_config, revision)
 
+    def abandon_placement(self, why: str) -> None:
+        """The load the placement was made for failed (`why`): release its arena now and forget it."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.release(why)
+
     def kernel_choice(self, device: torch.device) -> KernelChoice:
         """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
         asked for that cannot run, or a configuration that bypasses the EXL3 methods, is refused here, before any

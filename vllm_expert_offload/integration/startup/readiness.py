@@ -4,9 +4,9 @@ A benchmark of short prompts can pass on a configuration that dies on the first 
 (a lazily allocated buffer, a page-geometry bug, an unreachable host-tier expert). So, before `LLM(...)`
 returns and before `vllm serve` starts listening, the engine prefills more than two KV blocks and decodes
 a few tokens; a failure stops startup with its cause. The prefill is as long as one scheduler step
-allows (`max_num_batched_tokens`, within `max_model_len`). Afterwards the prefix cache and the routing
-statistics are reset, so the smoke leaves no trace in what users see. Off with
-VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0.
+allows (`max_num_batched_tokens`, within `max_model_len`). Afterwards the prefix cache is reset, and the routing
+counts of startup (vLLM's warm-up runs and the smoke, with the smoke on or off) are dropped, once, so startup leaves
+no trace in what users see. Off with VLLM_EXPERT_OFFLOAD_READINESS_SMOKE=0.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from vllm import SamplingParams
 
 from ...errors import ExpertOffloadError
-from .worker_rpc import RESET_COUNTS
+from .worker_rpc import END_OF_STARTUP
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
 ENV = "VLLM_EXPERT_OFFLOAD_READINESS_SMOKE"
@@ -36,9 +36,13 @@ def smoke_enabled() -> bool:
     return value == "1"
 
 
+def _serves_exl3(vllm_config) -> bool:
+    return vllm_config.model_config.quantization == "exl3"
+
+
 def smoke_request(vllm_config) -> tuple[dict, SamplingParams] | None:
     """The prompt (token ids spanning more than two blocks) and greedy params, or None when not ours."""
-    if vllm_config.model_config.quantization != "exl3" or not smoke_enabled():
+    if not _serves_exl3(vllm_config) or not smoke_enabled():
         return None
     block = vllm_config.cache_config.block_size
     vocab = vllm_config.model_config.get_vocab_size()
@@ -72,34 +76,36 @@ def _passed(request: tuple[dict, SamplingParams]) -> None:
 
 def run_sync(engine) -> None:
     """LLMEngine: step the request to completion."""
-    request = smoke_request(engine.vllm_config)
-    if request is None:
+    if not _serves_exl3(engine.vllm_config):
         return
-    try:
-        engine.add_request(REQUEST_ID, *request)
-        final = None
-        while engine.has_unfinished_requests():
-            final = next((o for o in engine.step() if o.finished), final)
-        _check_generated(final)
-        engine.reset_prefix_cache()
-        engine.collective_rpc(RESET_COUNTS)
-    except Exception as exc:
-        raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
-    _passed(request)
+    request = smoke_request(engine.vllm_config)
+    if request is not None:
+        try:
+            engine.add_request(REQUEST_ID, *request)
+            final = None
+            while engine.has_unfinished_requests():
+                final = next((o for o in engine.step() if o.finished), final)
+            _check_generated(final)
+            engine.reset_prefix_cache()
+        except Exception as exc:
+            raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
+        _passed(request)
+    engine.collective_rpc(END_OF_STARTUP)
 
 
 async def run_async(client) -> None:
-    """AsyncLLM (vllm serve): the same request through the async client."""
-    request = smoke_request(client.vllm_config)
-    if request is None:
+    """AsyncLLM (vllm serve): the same request through the async client, before the server listens."""
+    if not _serves_exl3(client.vllm_config):
         return
-    try:
-        final = None
-        async for output in client.generate(request[0], request[1], REQUEST_ID):
-            final = output
-        _check_generated(final)
-        await client.reset_prefix_cache()
-        await client.collective_rpc(RESET_COUNTS)
-    except Exception as exc:
-        raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
-    _passed(request)
+    request = smoke_request(client.vllm_config)
+    if request is not None:
+        try:
+            final = None
+            async for output in client.generate(request[0], request[1], REQUEST_ID):
+                final = output
+            _check_generated(final)
+            await client.reset_prefix_cache()
+        except Exception as exc:
+            raise _failed(exc, len(request[0]["prompt_token_ids"])) from exc
+        _passed(request)
+    await client.collective_rpc(END_OF_STARTUP)

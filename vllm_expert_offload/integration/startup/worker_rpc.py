@@ -4,17 +4,19 @@ They are added (never replacing anything) to vLLM's WorkerBase, because collecti
 object needs VLLM_ALLOW_INSECURE_SERIALIZATION once workers live in other processes (TP 2, vllm serve):
 
     llm.collective_rpc("vllm_expert_offload_save_expert_stats")            # counts so far -> record_stats file
-    llm.collective_rpc("vllm_expert_offload_save_expert_stats", args=("/tmp/stats.json",))
     llm.collective_rpc("vllm_expert_offload_memory_report")               # per rank: placed bytes, loading peak
+
+Whatever is reachable by name is reachable by anyone who reaches vLLM's dev-mode `/collective_rpc` endpoint, with
+arguments of their choosing. So the save takes no path (it writes the configured `record_stats` file and nothing
+else), and nothing here zeroes the counts on request: the one reset, of what startup itself routed, is spent by
+the plugin before the engine is handed out (`END_OF_STARTUP`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..patching import HookError
 
-RESET_COUNTS = "vllm_expert_offload_reset_expert_counts"
+END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
 MEMORY_REPORT = "vllm_expert_offload_memory_report"
 
@@ -28,21 +30,23 @@ def _placement(worker):
     return quant_config.placement if isinstance(quant_config, Exl3Config) else None
 
 
-def reset_expert_counts(worker) -> bool:
+def end_of_startup(worker) -> bool:
+    """Drop what startup routed (vLLM's warm-up runs, the readiness smoke): once per process, refused after."""
     placement = _placement(worker)
     if placement is not None:
-        placement.reset_counts()
+        placement.discard_startup_counts()
     return placement is not None
 
 
-def save_expert_stats(worker, path: str | None = None) -> str | None:
-    """Write this process's routing counts; TP ranks see the same routing, so only rank 0 writes."""
+def save_expert_stats(worker) -> str | None:
+    """Write this process's routing counts to the configured record_stats file; TP ranks see the same routing,
+    so only rank 0 writes. Returns the path written (None on other ranks and without EXL3 experts)."""
     placement = _placement(worker)
     if placement is None or placement.geometry.tp_rank != 0:
         return None
-    target = Path(path) if path is not None else placement.options.record_stats
+    target = placement.options.record_stats
     if target is None:
-        raise ValueError(f"{SAVE_STATS}: give a path, or serve with expert_offload.record_stats")
+        raise ValueError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
     placement.save_stats(target)
     return str(target)
 
@@ -59,7 +63,7 @@ def memory_report(worker) -> dict[str, int | None] | None:
 def install() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    methods = ((RESET_COUNTS, reset_expert_counts), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report))
+    methods = ((END_OF_STARTUP, end_of_startup), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report))
     for name, method in methods:
         existing = getattr(WorkerBase, name, None)
         if existing is not None and existing is not method:

@@ -1,0 +1,76 @@
+"""Kernel launches as torch ops that write into tensors they are handed: what lets a backend's glue run on `meta`.
+
+A trellis-reading backend is glue (device ops on the batch: rotations, gathers, block layouts) around launches of
+its kernels. vLLM can capture the forward in a CUDA graph only if that glue never needs device data on the host
+(`.item()`, `.tolist()`, a data-dependent shape, a copy to the host), and the one proof of that which no op name can
+fool is to run the glue with every tensor on the `meta` device, where any such read raises. A kernel cannot run
+there, so each launch is an op of the plugin's library: wherever tensors have memory its implementation launches
+the kernel; on `meta`, and under fake tensors, it does nothing, because a launch only writes into outputs the
+glue has already allocated, in shapes the glue chose. (The layer's whole forward is a further op, kernels/ops.py:
+that one is what torch.compile sees.)
+
+How a launch registers itself, once, where its module defines it:
+
+    _kernel = register_launch("exl3_fused_gate_up_triton",
+                              "Tensor a, Tensor table, int size_n, Tensor(a!) gate, Tensor(b!) up", launch)
+
+`arguments` is the op's schema argument list; every tensor the kernel writes is marked `Tensor(a!)`,
+`Tensor(b!)`, ... and the op returns nothing. Call the returned op exactly like `launch`, with positional
+arguments. `register_table_launch` does this for launchers of the `MatmulBackend.launch` contract (rotated.py),
+whose MatrixTable it passes field by field. Tools that count a forward's device ops (the launch census) find
+every launch op's qualified name in `LAUNCH_OPS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .matrix_table import MatrixTable
+from .ops import LIBRARY
+
+TableLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MatrixTable, torch.Tensor], None]
+
+_lib = torch.library.Library(LIBRARY, "FRAGMENT")  # noqa: TOR901 (kept alive for the ops' lifetime)
+LAUNCH_OPS: set[str] = set()  # "vllm_expert_offload::<name>" of every launch registered here
+
+
+def _writes_nothing(*args: object) -> None:
+    """The launch on `meta` or fake tensors: its outputs already have their shapes, and there is no data to write."""
+
+
+def register_launch(name: str, arguments: str, launch: Callable[..., None]) -> Callable[..., None]:
+    """Define `vllm_expert_offload::<name>(<arguments>) -> ()`, running `launch` on every device with memory and
+    nothing on `meta` or under fake tensors; returns the op."""
+    _lib.define(f"{name}({arguments}) -> ()")
+    _lib.impl(name, launch, "CompositeExplicitAutograd")
+    _lib.impl(name, _writes_nothing, "Meta")
+    _lib._register_fake(name, _writes_nothing)
+    LAUNCH_OPS.add(f"{LIBRARY}::{name}")
+    return getattr(getattr(torch.ops, LIBRARY), name).default
+
+
+_TABLE_FIELDS = dataclasses.fields(MatrixTable)
+_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "int": "int"}  # MatrixTable's field annotations -> schema types
+TABLE_ARGUMENTS = ", ".join(
+    ["Tensor a", "Tensor row_ids", "Tensor block_matrix"]
+    + [f"{_SCHEMA_TYPES[field.type]} {field.name}" for field in _TABLE_FIELDS]
+    + ["Tensor(a!) out"]
+)
+
+
+def register_table_launch(name: str, launch: TableLaunch) -> TableLaunch:
+    """`launch(a, row_ids, block_matrix, table, out)` behind op `name` (see `register_launch`), called the same way."""
+
+    def unpacked(a, row_ids, block_matrix, *table_and_out):
+        launch(a, row_ids, block_matrix, MatrixTable(*table_and_out[:-1]), table_and_out[-1])
+
+    op = register_launch(name, TABLE_ARGUMENTS, unpacked)
+
+    def through_op(a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable,
+                   out: torch.Tensor) -> None:
+        op(a, row_ids, block_matrix, *(getattr(table, field.name) for field in _TABLE_FIELDS), out)
+
+    return through_op
