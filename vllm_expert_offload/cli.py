@@ -8,7 +8,14 @@ from collections.abc import Sequence
 
 from .exl3.errors import Exl3FormatError
 from .tools import (
-    bench_cmd, bench_kernels_cmd, check_kv_cmd, inspect_cmd, plan_cmd, quantize_cmd, simulate_cmd, topology_cmd,
+    bench_cmd,
+    bench_kernels_cmd,
+    check_kv_cmd,
+    inspect_cmd,
+    plan_cmd,
+    quantize_cmd,
+    simulate_cmd,
+    topology_cmd,
 )
 
 COMMANDS = (inspect_cmd, quantize_cmd, plan_cmd, topology_cmd, check_kv_cmd, bench_kernels_cmd, simulate_cmd, bench_cmd)

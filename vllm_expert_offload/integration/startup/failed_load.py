@@ -17,7 +17,6 @@ import functools
 from ..patching import Hook
 
 LOADER = "vllm.model_executor.model_loader.base_loader"
-CHECKED_ON = ("0.32", "0.33")
 
 
 def _wrap_load_model(original):
@@ -36,8 +35,7 @@ def _wrap_load_model(original):
     return load_model
 
 
-HOOK = Hook(LOADER, "BaseModelLoader.load_model", ("self", "vllm_config", "model_config", "prefix"), CHECKED_ON,
-            _wrap_load_model)
+HOOK = Hook(LOADER, "BaseModelLoader.load_model", ("self", "vllm_config", "model_config", "prefix"), _wrap_load_model)
 
 
 def install() -> bool:
