@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup-cpu-venv.sh
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 --durations=40 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -38,6 +38,9 @@ class EngineSpec:
     max_model_len: int = 1024
     additional_config: dict | None = None
     enforce_eager: bool = False  # vLLM's default: torch.compile (and CUDA graphs on a GPU); True: eager mode
+    # vLLM's default when None. Compiled, the CPU runner warms up with one forward of this many tokens: under
+    # Triton's interpreter a small budget keeps that warm-up from dominating the test.
+    max_num_batched_tokens: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
     # Modules whose install() runs in the engine child before vLLM is imported (test-only shims, e.g.
@@ -85,6 +88,8 @@ def _run(spec: EngineSpec) -> dict:
     from vllm.inputs import TokensPrompt
 
     kwargs = {"additional_config": spec.additional_config} if spec.additional_config else {}
+    if spec.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     llm = LLM(
         spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager,
         block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
