@@ -40,6 +40,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize(("host_fraction", "enforce_eager"), [(1.0, True), (0.5, False)], ids=["eager", "compiled"])
 def test_exl3_dsv4_tracks_hf_on_the_dense_twin(host_fraction: float, enforce_eager: bool) -> None:
     exl3 = build_tiny_dsv4_exl3()

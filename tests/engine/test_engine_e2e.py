@@ -28,6 +28,7 @@ def _offload(host_fraction: float | None) -> dict:
     return {} if host_fraction is None else {"additional_config": {"expert_offload": {"host_fraction": host_fraction}}}
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize(("block_size", "host_fraction", "enforce_eager"),
                          [(64, 1.0, False), (128, 0.5, False), (128, None, True)])
 def test_greedy_tokens_match_dense_reference(model: Model, block_size: int, host_fraction: float | None,
@@ -67,6 +68,7 @@ def test_deepseek_v3_matches_stock_vllm_on_dense_twin(enforce_eager: bool) -> No
     assert got == reference
 
 
+@pytest.mark.inductor
 def test_tensor_parallel_2_matches_tensor_parallel_1() -> None:
     model = Model.get("qwen3_moe")
     tp1 = model.check(block_size=64, **_offload(1.0))
