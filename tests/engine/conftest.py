@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-CPU_CI_BACKEND = "VLLM_CPU_CI_ENV"
+from support.engine_model import CPU_CI_BACKEND
 
 
 @pytest.fixture(scope="module", autouse=True)

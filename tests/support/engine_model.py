@@ -13,6 +13,9 @@ from vllm_expert_offload.testing.tiny_models import build_tiny_model
 from .reference_twin import checked_dense_twin
 
 MAX_TOKENS = 24
+# vLLM's CPU CI backend switch (vllm/platforms/cpu.py): set, a compiled engine runs Dynamo's graph without Inductor
+# and skips the warm-up forward (tests/engine/conftest.py decides per test).
+CPU_CI_BACKEND = "VLLM_CPU_CI_ENV"
 # Prompt sets (seeds of _prompts) picked for wide reference margins (measured with transformers 5.19): every greedy
 # step of every prompt is decided by a top-1/top-2 logit gap of at least 9.8e-3 on qwen3_moe and mixtral and
 # 1.4e-2 on the crop fixture, ten times the 1e-3 cut-off and more. Every step is compared, and a fixture or library
@@ -48,7 +51,7 @@ class Model:
         return cls._cache[key]
 
     def generate(self, **engine_kwargs) -> list[list[int]]:
-        key = repr((sorted(engine_kwargs.items()), os.environ.get("VLLM_CPU_CI_ENV")))  # the compile backend too
+        key = repr((sorted(engine_kwargs.items()), os.environ.get(CPU_CI_BACKEND)))  # the compile backend too
         if key not in self.runs:
             self.runs[key] = generate_greedy(EngineSpec(self.exl3, self.prompts, MAX_TOKENS, **engine_kwargs))
         return self.runs[key]

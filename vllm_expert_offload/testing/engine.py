@@ -38,8 +38,8 @@ class EngineSpec:
     max_model_len: int = 1024
     additional_config: dict | None = None
     enforce_eager: bool = False  # vLLM's default: torch.compile (and CUDA graphs on a GPU); True: eager mode
-    # vLLM's default when None. Compiled, the CPU runner warms up with one forward of this many tokens: under
-    # Triton's interpreter a small budget keeps that warm-up from dominating the test.
+    # vLLM's default when None. It bounds the readiness smoke (one full scheduler step of prompt) and, under
+    # Inductor, the CPU runner's warm-up forward: under Triton's interpreter a small budget keeps both short.
     max_num_batched_tokens: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     rpc_after: list[tuple[str, list]] = field(default_factory=list)  # collective_rpc calls after generating
