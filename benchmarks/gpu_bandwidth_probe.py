@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_expert_offload.kernels.triton_exl3 import _ring_units
+from vllm_expert_offload.kernels.triton_decode import _ring_units
 from vllm_expert_offload.memory.arena import HostArena
 
 KIB, MIB = 2**10, 2**20
@@ -101,7 +101,7 @@ def _xor(a, b):
 
 @triton.jit
 def _triton_pattern(table_ptr, out_ptr, size_k, size_n, k_int, k_half, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The loads of kernels/triton_exl3.py's exl3_matmul_kernel for one matrix per program row, without the decode."""
+    """The loads of kernels/triton_decode.py's decode_block for one matrix per program row, without the decode."""
     matrix, col_block = tl.program_id(0), tl.program_id(1)
     trellis = tl.load(table_ptr + matrix).to(tl.pointer_type(tl.int16))
     units = 16 * k_int + 8 * k_half

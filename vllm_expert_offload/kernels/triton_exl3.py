@@ -9,13 +9,7 @@ a `tl.dot`. Nothing decoded is ever stored. The Hadamard rotations and suh/svh s
 the rotated-basis form of exl3-format.md §2.1: the caller passes A = had(x ⊙ suh) and applies
 had(C) ⊙ svh to the result.
 
-Decoding follows exl3-format.md §2.3-2.7 exactly (bit-exact W_hat; tested against `exl3.decode`):
-- ring position p of tile element (r, c) inverts the tensor-core permutation arithmetically;
-- its 16-bit state is the ring window ending at S(p) = (p+1)·KA + h·⌊(p+1)/2⌋ (h = 1 for K = KA + ½),
-  wrapped mod R = 256·K (tail-biting); the window spans two 16-bit units of the MSB-first stream, and
-  unit u is stored at int16 index u ^ 1 (each 32-bit word is stored as two little-endian halves);
-- the codebook turns the state into fp16 (3INST, MCG, MUL1 with the kernels' roundings).
-K and the codebook come per matrix from small tables, so experts of one launch may differ in both.
+Decoding is `triton_decode.decode_block` (bit-exact W_hat, exl3-format.md §2.3-2.7).
 """
 
 from __future__ import annotations
@@ -30,47 +24,7 @@ from .contract import Backend
 from .launch_ops import register_table_launch
 from .matrix_table import MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
-
-
-@triton.jit
-def _lop3_halves(x):
-    """3INST/MCG: keep sign, low exponent bits and mantissa of both halves, force the exponent to 011xx,
-    add the two fp16 halves in fp32 (exact) and round once, which equals __hadd."""
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-    lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    return (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _codebook_value(state, codebook):
-    """16-bit state (int64) -> fp16 weight. `codebook` may be a constexpr or a runtime scalar."""
-    inst3 = _lop3_halves((state * 89226354 + 64248484) & 0xFFFFFFFF)
-    mcg = _lop3_halves((state * 0xCBAC1FED) & 0xFFFFFFFF)
-    x = (state * 0x83DCD12D) & 0xFFFFFFFF
-    bytesum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    # __hfma(1024 + bs, fp16(0x1EEE), fp16(0xC931)): an integer numerator below 2^20, exact in fp32.
-    mul1 = (((1024 + bytesum) * 1774 - 2721792).to(tl.float32) * 3.814697265625e-06).to(tl.float16)
-    return tl.where(codebook == 0, inst3, tl.where(codebook == 1, mcg, mul1))
-
-
-@triton.jit
-def _ring_units(offs_k, offs_n, k_int, k_half):
-    """For each (row, column) of a block: the two 16-bit stream units its state window spans (already
-    swapped to storage order) and the right shift that aligns the window. Independent of the block's
-    position, because every block starts on a tile boundary."""
-    r = (offs_k % 16)[:, None]
-    c = (offs_n % 16)[None, :]
-    t = 4 * (c % 8) + (r % 8) // 2
-    j = (r % 2) + 2 * (r // 8) + 4 * (c // 8)
-    p = 8 * t + j
-    units = 16 * k_int + 8 * k_half  # int16 per tile = 16 K
-    ring = 16 * units
-    start = (p + 1) * k_int + k_half * ((p + 1) // 2) - 16
-    start = tl.where(start < 0, start + ring, start)
-    first = start // 16
-    second = tl.where(first + 1 == units, 0, first + 1)
-    return first ^ 1, second ^ 1, 16 - start % 16
+from .triton_decode import decode_block
 
 
 @triton.jit
@@ -87,35 +41,25 @@ def exl3_matmul_kernel(
     if matrix >= 0:
         rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = rows >= 0
-        trellis = tl.load(trellis_table_ptr + matrix).to(tl.pointer_type(tl.int16))
+        trellis = tl.load(trellis_table_ptr + matrix)
         twice_k = tl.load(twice_k_table_ptr + matrix)
-        k_int = twice_k // 2
-        k_half = twice_k % 2
         if CODEBOOK == -1:
             codebook = tl.load(codebook_table_ptr + matrix)
         else:
             codebook = CODEBOOK
-        units = 16 * k_int + 8 * k_half
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_kb = tl.arange(0, BLOCK_K)
-        first, second, shift = _ring_units(offs_kb, offs_n, k_int, k_half)
-        tile_col = (offs_n // 16)[None, :]
-        tiles_n = size_n // 16
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, size_k, BLOCK_K):
             offs_k = k0 + offs_kb
             a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None], other=0.0)
-            tile = ((offs_k // 16)[:, None] * tiles_n + tile_col).to(tl.int64) * units
-            hi = tl.load(trellis + tile + first).to(tl.int64) & 0xFFFF
-            lo = tl.load(trellis + tile + second).to(tl.int64) & 0xFFFF
-            state = (((hi << 16) | lo) >> shift) & 0xFFFF
-            w = _codebook_value(state, codebook)
+            w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N)
             if DOT_FP16:
                 acc += tl.dot(a.to(tl.float16), w)
             else:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc, mask=row_ok[:, None])
-
 
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum; decode fills one row of it, prefill up to all of it

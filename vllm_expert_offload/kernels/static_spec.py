@@ -1,0 +1,41 @@
+"""What a Triton backend tells `bench-kernels --static` about the kernels it launches, so they can be compiled
+ahead of time on a machine without a GPU (Triton's compiler and ptxas only) and their registers, spills, load
+widths and inner-loop instruction counts read from the result.
+
+A kernel module lists its kernels at given layer shapes (`static_kernels(shape)`); the report compiles each for
+sm_90 and sm_120. Nothing here launches anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The shapes one MoE layer (or dense linear) of a model gives the kernels."""
+
+    model: str  # e.g. "Qwen3-30B-A3B"
+    hidden: int
+    intermediate: int  # per expert, this rank's (after TP)
+    experts: int  # routed experts of the layer (local)
+    top_k: int
+    k_bits: float = 3.0
+    codebook: str = "mul1"  # "3inst", "mcg", "mul1" (exl3/codebook.py's names)
+
+
+@dataclass(frozen=True)
+class StaticKernel:
+    """One compile of one Triton kernel: its `triton.compile` inputs and what one inner-loop iteration decodes."""
+
+    name: str  # how the report names it, e.g. "moe_gate_up[mul1,fp16]"
+    fn: Any  # the @triton.jit function
+    signature: Mapping[str, str]  # every runtime argument -> Triton type string ("*fp16", "i32", "i64", ...)
+    constexprs: Mapping[str, Any]  # every tl.constexpr argument -> value
+    num_warps: int
+    num_stages: int
+    weights_per_iteration: int  # weights decoded by one program per iteration of the inner (K) loop
+    dtype: str = "fp16"  # activation dtype of this variant ("fp16", "bf16", "fp32"): spills must be 0 for fp16/bf16
+    options: Mapping[str, Any] = field(default_factory=dict)  # further triton.compile options, if any
