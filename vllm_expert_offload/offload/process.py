@@ -20,7 +20,7 @@ from ..exl3.validate import CheckpointSummary
 from ..memory.arena import HostArena
 from ..placement import RoutingCounts
 from .options import OffloadOptions
-from .rank_plan import ExpertGeometry, make_plan, model_identity, record_bytes_matrix
+from .rank_plan import ExpertGeometry, RankExperts, make_plan, model_identity, record_bytes_matrix
 
 logger = logging.getLogger("vllm.expert_offload")  # a child of vLLM's logger, so it shares its handlers
 
@@ -56,17 +56,29 @@ class ProcessPlacement:
         top_k: int,
         device: torch.device,
         gpu_bytes: int | None = None,
+        rank: RankExperts | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
-        """`gpu_bytes`: the memory of this worker's GPU (None off CUDA), the bound a budget or plan must fit."""
+        """`gpu_bytes`: the memory of this worker's GPU (None off CUDA), the bound a budget or plan must fit.
+        `rank`: the experts this rank holds (expert parallelism; default every expert, each a TP slice).
+        `dp_rank`, `dp_size`: this engine's data-parallel rank and their number (each engine has its own arena and
+        plan; vLLM gathers every engine's tokens into each MoE layer, so one rank's counts hold them all)."""
         self.options = options
         self.geometry = geometry
         self.top_k = top_k
         self.moe_layers = summary.layout.moe_layers
         self.record_bytes = record_bytes_matrix(summary, geometry)
-        self.identity = model_identity(summary, geometry.tp_size, self.record_bytes)
-        self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity, gpu_bytes)
-        self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)
-        host_bytes = int(self.record_bytes[~self.gpu_tier].sum())
+        self.rank = RankExperts.every(self.record_bytes.shape[1]) if rank is None else rank
+        if self.rank.num_experts != self.record_bytes.shape[1]:
+            raise ExpertOffloadError(f"vLLM's expert map covers {self.rank.num_experts} routed experts, the checkpoint "
+                                     f"has {self.record_bytes.shape[1]} per MoE layer")
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.identity = model_identity(summary, geometry.tp_size, self.record_bytes, self.rank.ep_size)
+        self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity, gpu_bytes, self.rank)
+        self.host_tier = ~self.gpu_tier & self.rank.mask  # this rank's experts only; others belong to other ranks
+        self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)  # global ids: all experts
+        host_bytes = int(self.record_bytes[self.host_tier].sum())
         # Last of what can fail here: nothing is left holding a mapped arena when an earlier step raises.
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counting_since = time.time()
@@ -74,16 +86,27 @@ class ProcessPlacement:
         self.recording = options.record_stats is not None
         self.loading_peak_bytes = 0  # CUDA: peak allocated while the MoE layers were loaded (memory_report)
         self._exit_save = None
-        if self.recording and geometry.tp_rank == 0:
+        if self.recording and self.writes_stats:
             self._exit_save = at_process_exit(self.save_stats, options.record_stats, "at exit")
-        n_host = int((~self.gpu_tier).sum())
         logger.info(
-            "expert placement (tp rank %d): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
+            "expert placement (%s): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
             "%.1f MiB of expert trellises in the GPU tier; plan from %s",
-            geometry.tp_rank, n_host, self.gpu_tier.size, host_bytes / 2**20,
+            self.rank_label(), int(self.host_tier.sum()), len(self.moe_layers) * len(self.rank.local),
+            host_bytes / 2**20,
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
             self.record_bytes[self.gpu_tier].sum() / 2**20, source,
         )
+
+    def rank_label(self) -> str:
+        """'tp rank 0 of 2' / 'ep rank 1 of 2, experts 4-7', with 'dp rank d' under data parallelism."""
+        parts = [self.rank.label() or f"tp rank {self.geometry.tp_rank} of {self.geometry.tp_size}"]
+        return ", ".join(([f"dp rank {self.dp_rank} of {self.dp_size}"] if self.dp_size > 1 else []) + parts)
+
+    @property
+    def writes_stats(self) -> bool:
+        """Every rank sees the same routing: TP and EP ranks compute the same router, and under data parallelism
+        vLLM gathers the tokens of every engine before routing (naive dispatch), so the first rank writes for all."""
+        return self.geometry.tp_rank == 0 and self.rank.ep_rank == 0 and self.dp_rank == 0
 
     def release(self, why: str) -> None:
         """Give the host arena back now and write no statistics at exit: the load this placement was made for
@@ -95,7 +118,7 @@ class ProcessPlacement:
 
     def gpu_tier_sizes(self) -> list[int]:
         """Bytes of each GPU-tier expert on this rank (what the crash line offers to move to the host)."""
-        return self.record_bytes[self.gpu_tier].tolist()
+        return self.record_bytes[self.gpu_tier].tolist()  # gpu_tier holds this rank's experts only
 
     def note_loading_peak(self, device: torch.device) -> None:
         """Called as each MoE layer finishes loading, before vLLM allocates the KV cache: the highest
@@ -107,8 +130,11 @@ class ProcessPlacement:
         """What this rank placed, beside what loading cost (scripts/gpu_engine_check.py compares them)."""
         return {
             "tp_rank": self.geometry.tp_rank,
+            "ep_rank": self.rank.ep_rank,
+            "dp_rank": self.dp_rank,
+            "local_experts": list(self.rank.local),
             "gpu_tier_expert_bytes": int(self.record_bytes[self.gpu_tier].sum()),
-            "host_tier_expert_bytes": int(self.record_bytes[~self.gpu_tier].sum()),
+            "host_tier_expert_bytes": int(self.record_bytes[self.host_tier].sum()),
             "loading_peak_bytes": self.loading_peak_bytes,
         }
 

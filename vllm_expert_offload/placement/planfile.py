@@ -1,6 +1,6 @@
 """Versioned, human-editable JSON plan files: which experts of which MoE layer live in GPU memory.
 
-A plan is only valid for the model, tensor-parallel size and quantization it was made for: the same expert ids at
+A plan is only valid for the model, tensor- or expert-parallel size and quantization it was made for: the same expert ids at
 another bitrate have other byte sizes, so a plan that fit could overflow the GPU. The file therefore records the model
 identity, including a SHA-256 of the per-expert byte sizes, and `load_plan` refuses any mismatch, naming the field.
 
@@ -10,7 +10,7 @@ Layout (one layer per line, so a person can move ids between tiers with a text e
       "format": "vllm-expert-offload/plan",
       "version": 1,
       "model": {"architecture": ..., "num_layers": ..., "num_experts": ..., "moe_layers": [...], "tp_size": ...,
-                "expert_bytes_sha256": ...},
+                "expert_bytes_sha256": ..., "ep_size": ...},
       "created_by": "...",
       "budget_bytes": 123,
       "gpu_experts": {"<model layer index>": [expert ids in the GPU tier], ...}
@@ -48,12 +48,16 @@ class ModelIdentity:
     num_layers: int
     num_experts: int
     moe_layers: tuple[int, ...]
-    tp_size: int
+    tp_size: int  # the MoE layers' TP size: each expert split this many ways (1 under expert parallelism)
     expert_bytes_sha256: str
+    # Expert-parallel ranks, each holding whole experts and planning them against its own GPU; files written before
+    # expert parallelism have no field and mean 1.
+    ep_size: int = 1
 
     @classmethod
     def from_expert_bytes(
-        cls, architecture: str, num_layers: int, moe_layers: Sequence[int], tp_size: int, expert_bytes: object
+        cls, architecture: str, num_layers: int, moe_layers: Sequence[int], tp_size: int, expert_bytes: object,
+        ep_size: int = 1,
     ) -> ModelIdentity:
         """Identity with the checksum of `expert_bytes` [moe layers][experts] (per rank when tp_size > 1)."""
         sizes = as_matrix("expert_bytes", expert_bytes, integer=True)
@@ -62,10 +66,11 @@ class ModelIdentity:
             raise PlacementError(f"expert_bytes has {sizes.shape[0]} rows but moe_layers lists {len(moe_layers)} layers")
         if len(set(moe_layers)) != len(moe_layers) or not all(0 <= layer < num_layers for layer in moe_layers):
             raise PlacementError(f"moe_layers must be distinct layer indices in [0, {num_layers}), got {list(moe_layers)}")
-        if tp_size < 1:
-            raise PlacementError(f"tp_size must be >= 1, got {tp_size}")
+        if tp_size < 1 or ep_size < 1 or (tp_size > 1 and ep_size > 1):
+            raise PlacementError(f"tp_size and ep_size must be >= 1, one of them 1 (experts are split or placed "
+                                 f"whole), got tp_size {tp_size}, ep_size {ep_size}")
         checksum = expert_bytes_checksum(sizes)
-        return cls(architecture, int(num_layers), sizes.shape[1], moe_layers, int(tp_size), checksum)
+        return cls(architecture, int(num_layers), sizes.shape[1], moe_layers, int(tp_size), checksum, int(ep_size))
 
     def to_json(self) -> dict[str, object]:
         return {**dataclasses.asdict(self), "moe_layers": list(self.moe_layers)}
@@ -74,7 +79,7 @@ class ModelIdentity:
     def from_json(cls, data: object, where: str) -> ModelIdentity:
         if not isinstance(data, dict):
             raise PlacementError(f"{where}: 'model' must be an object")
-        fields = [f.name for f in dataclasses.fields(cls)]
+        fields = [f.name for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
         missing = [name for name in fields if name not in data]
         if missing:
             raise PlacementError(f"{where}: 'model' lacks {', '.join(missing)}")

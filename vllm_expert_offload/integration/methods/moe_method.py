@@ -21,7 +21,7 @@ from ...kernels.oracle import BackendUnavailable, KernelChoice, build_moe_kernel
 from ...kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from ...offload.phase import profiling
 from ...offload.process import ProcessPlacement
-from ...offload.rank_plan import ExpertGeometry
+from ...offload.rank_plan import ExpertGeometry, RankExperts
 from ...offload.tiers import place_expert
 from ..startup.crash_line import install_crash_line
 from ..startup.profiling import install_profile_flag, spread_routing
@@ -33,16 +33,38 @@ COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def _process_placement(quant_config, geometry: ExpertGeometry, top_k: int, device: torch.device) -> ProcessPlacement:
+def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts | None, parallel, top_k: int,
+                       device: torch.device) -> ProcessPlacement:
     """The quant config lives once per process, so it carries the process's placement (made at the first MoE
-    layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated."""
+    layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated, against
+    this rank's own GPU-tier experts."""
     if quant_config.placement is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes)
+        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
+                                     rank, parallel.dp_rank, parallel.dp_size)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
         quant_config.placement = placement
+    elif rank is not None and quant_config.placement.rank != rank:
+        raise Exl3FormatError(f"expert map of this MoE layer ({rank.label()}) differs from the first layer's "
+                              f"({quant_config.placement.rank.label()}); one plan per process needs one map")
     return quant_config.placement
+
+
+def _rank_experts(layer: torch.nn.Module, parallel) -> RankExperts | None:
+    """This rank's routed experts, read from vLLM's own expert map. Expert parallelism places whole experts; vLLM
+    never splits an expert under EP (its MoE TP size is 1 there), and a configuration that did is refused by name
+    rather than served with experts both split and placed per rank."""
+    if parallel.use_ep and parallel.tp_size > 1:
+        raise Exl3FormatError(
+            f"{layer.layer_name}: --enable-expert-parallel with an MoE tensor-parallel size of {parallel.tp_size} "
+            "would split each EXL3 expert as well as place it per rank; vllm-expert-offload places whole experts "
+            "under expert parallelism"
+        )
+    if layer.expert_map is None:
+        return None  # every expert, each a TP slice
+    expert_map = layer.expert_map.tolist()
+    return RankExperts.from_expert_map(expert_map, len(expert_map), parallel.ep_rank, parallel.ep_size)
 
 
 def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device) -> None:
@@ -104,7 +126,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.params_dtype = params_dtype
         self.num_local_experts = num_experts
         top_k = self.moe.experts_per_token
-        self.placement = _process_placement(self.quant_config, self.geometry, top_k, self.device)
+        rank = _rank_experts(layer, parallel)
+        self.placement = _process_placement(self.quant_config, self.geometry, rank, parallel, top_k, self.device)
         self.placed: dict[int, object] = {}
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)

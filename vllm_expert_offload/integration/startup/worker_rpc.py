@@ -39,10 +39,11 @@ def end_of_startup(worker) -> bool:
 
 
 def save_expert_stats(worker) -> str | None:
-    """Write this process's routing counts to the configured record_stats file; TP ranks see the same routing,
-    so only rank 0 writes. Returns the path written (None on other ranks and without EXL3 experts)."""
+    """Write this process's routing counts to the configured record_stats file; every rank sees the same routing
+    (TP, EP, and DP engines, whose tokens vLLM gathers before routing), so only the first rank writes
+    (`ProcessPlacement.writes_stats`). Returns the path written (None on other ranks and without EXL3 experts)."""
     placement = _placement(worker)
-    if placement is None or placement.geometry.tp_rank != 0:
+    if placement is None or not placement.writes_stats:
         return None
     target = placement.options.record_stats
     if target is None:
