@@ -61,6 +61,10 @@ class ResidencyOptions:
     embedding_on_host: bool = False  # the token embedding in the host arena, gathered per token over UVA
     dequantized: bool = False  # expert_offload.dequantize_linears: dense EXL3 linears held decoded
     vision_replicated: bool = False  # --mm-encoder-tp-mode data (vLLM's default, weights, splits the tower)
+    # Routed experts' own parallelism, where it differs from `tp`: vLLM splits each expert over TP x DP ranks
+    # (`moe_tp`), or under --enable-expert-parallel gives each of `ep` ranks whole experts (an even share counted).
+    moe_tp: int | None = None
+    ep: int = 1
 
 
 @dataclass
@@ -103,9 +107,10 @@ def residency(summary: CheckpointSummary, shapes: Mapping[str, tuple[tuple[int, 
         layer = None if layout is None else layout.expert_layer(prefix)
         main_expert = layer is not None and not layout.is_draft_layer(layer)
         if main_expert and prefix in summary.linears:
-            if suffix in ("suh", "svh"):  # the hidden side is whole on every rank, the intermediate side split
+            if suffix in ("suh", "svh"):  # TP: the hidden side is whole on every rank, the intermediate side split
                 whole = shape[0] == layout.hidden_size
-                out.add(out.device, EXPERT_SCALES, nbytes(shape, dtype) // (1 if whole else tp))
+                split = options.ep if options.ep > 1 else 1 if whole else options.moe_tp or tp
+                out.add(out.device, EXPERT_SCALES, nbytes(shape, dtype) // split)
             continue
         size = (_held_bytes(summary, prefix, suffix, shape, dtype, hf_config, options.dequantized)
                 if prefix in summary.linears else nbytes(shape, dtype))

@@ -2,7 +2,8 @@
 
 Device rows are one GPU's (one tensor-parallel rank's); host rows are the node's pinned memory, all ranks together
 (each rank pins its own share of the host-tier experts; tables vLLM keeps on the host, such as DeepSeek-V4.1's
-engram tables, are split between the ranks the same way).
+engram tables, are split between the ranks the same way). Under expert parallelism each rank holds other experts, so
+a ledger is made per rank (`owned`: that rank's experts) and its host rows are that rank's.
 
 Out-of-memory during weight loading or KV-cache profiling says nothing about what to change; the ledger says where the
 bytes go and, when they do not fit, how many bytes (and experts) must move to the host tier. Host-tier experts are
@@ -63,10 +64,12 @@ class Ledger:
         alignment: int = ARENA_ALIGNMENT,
         host_bytes: Mapping[str, int] | None = None,
         ranks: int = 1,
+        owned: np.ndarray | None = None,
     ) -> Ledger:
         """Ledger for GPU mask `plan` [layers, experts] and one rank's per-expert sizes `expert_bytes` of the same
         shape. `non_expert_bytes` is one number or the device weights by purpose; `host_bytes` the node's other
-        pinned memory by purpose; `ranks` how many ranks each pin their share of the host-tier experts."""
+        pinned memory by purpose; `ranks` how many ranks each pin their share of the host-tier experts. `owned`
+        ([experts] bool, expert parallelism): the rank's experts; the others are another rank's and counted nowhere."""
         lines = {NON_EXPERT: non_expert_bytes} if not isinstance(non_expert_bytes, Mapping) else dict(non_expert_bytes)
         lines = {item: as_byte_count(item, amount) for item, amount in lines.items()}
         extra = {item: as_byte_count(item, amount) for item, amount in (host_bytes or {}).items()}
@@ -78,7 +81,10 @@ class Ledger:
             raise PlacementError(f"plan must be a bool mask of shape {sizes.shape}, got {plan.dtype} {plan.shape}")
         if alignment < 1:
             raise PlacementError(f"alignment must be >= 1, got {alignment}")
-        on_gpu, on_host = sizes[plan], sizes[~plan]
+        mine = np.ones(sizes.shape, dtype=bool) if owned is None else np.broadcast_to(np.asarray(owned), sizes.shape)
+        if mine.dtype != bool:
+            raise PlacementError(f"owned must be a bool mask over the {sizes.shape[1]} experts, got {mine.dtype}")
+        on_gpu, on_host = sizes[plan & mine], sizes[~plan & mine]
         padded = -(-on_host // alignment) * alignment
         return cls(
             non_expert_bytes=sum(lines.values()),

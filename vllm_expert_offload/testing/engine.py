@@ -34,6 +34,7 @@ class EngineSpec:
     max_tokens: int = 24
     block_size: int = 128
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel: whole experts over the TP ranks
     dtype: str = "float32"
     max_model_len: int = 1024
     additional_config: dict | None = None
@@ -71,7 +72,8 @@ def generate_timed(spec: EngineSpec) -> tuple[list[list[int]], float]:
 
 
 def generate_report(spec: EngineSpec) -> dict:
-    """The child's whole result: `tokens`, `generate_s`, and `rpc` (each rpc_after call's per-rank returns)."""
+    """The child's whole result: `tokens`, `generate_s`, `rpc` (each rpc_after call's per-rank returns) and `log`
+    (everything the engine and its workers printed)."""
     env = {**os.environ, **engine_env(spec.tensor_parallel_size), **spec.extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_expert_offload.testing.engine"],
@@ -79,7 +81,7 @@ def generate_report(spec: EngineSpec) -> dict:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT "):]) | {"log": proc.stdout + proc.stderr}
     raise EngineFailed(proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -92,7 +94,8 @@ def _run(spec: EngineSpec) -> dict:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     llm = LLM(
         spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager,
-        block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size, seed=0, **kwargs,
+        block_size=spec.block_size, tensor_parallel_size=spec.tensor_parallel_size,
+        enable_expert_parallel=spec.enable_expert_parallel, seed=0, **kwargs,
     )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     start = time.perf_counter()

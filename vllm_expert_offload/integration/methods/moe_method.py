@@ -197,7 +197,6 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.placement.note_loading_peak(self.device)
         # What moe_forward needs of the layer, kept so the op's target holds no reference back to it.
         self.expert_map = layer.expert_map
-        self.global_num_experts = layer.global_num_experts
         self.apply_router_weight_on_input = layer.apply_router_weight_on_input
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
@@ -209,9 +208,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def moe_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording, global
         ids mapped to this rank's (EP), then the backend."""
-        if profiling():
-            topk_ids = spread_routing(topk_ids, self.global_num_experts)
-        elif self.placement.recording:
+        if profiling():  # this rank's worst case: every slot on one of its own experts, each of them used (EP too)
+            local = spread_routing(topk_ids, self.num_local_experts).long()
+            return self.kernel.forward(x, topk_weights, local, self.apply_router_weight_on_input)
+        if self.placement.recording:
             self.placement.record(self.layer_index, topk_ids)
         if self.expert_map is not None:
             local = self.expert_map[topk_ids.long()]
