@@ -133,3 +133,25 @@ def test_process_placement_counts_global_ids_and_places_only_local(tmp_path) -> 
     assert report["local_experts"] == [4, 5, 6, 7] and report["ep_rank"] == 1
     for p in (whole, *ranks):
         p.release("test done")
+
+
+def test_data_parallel_engines_label_their_rank_and_only_the_first_writes_statistics() -> None:
+    """Under DP without EP vLLM splits each expert over the TP x DP ranks (DP rank 1 of 2 at TP 1 is MoE TP rank 1 of
+    2) and gathers every engine's tokens before routing, so DP rank 0's first rank writes for all engines."""
+    from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
+    from vllm_expert_offload.exl3.validate import validate_checkpoint
+    from vllm_expert_offload.offload.process import ProcessPlacement
+    from vllm_expert_offload.offload.rank_plan import ExpertGeometry
+    from vllm_expert_offload.testing.tiny_models import build_tiny_model
+
+    summary = validate_checkpoint(Exl3Checkpoint.open(build_tiny_model(None, "qwen3_moe")))
+    options = OffloadOptions(host_fraction=0.5)
+    engines = []
+    for dp_rank in (0, 1):
+        geometry = ExpertGeometry(hidden=128, intermediate=256, intermediate_per_rank=128, tp_rank=dp_rank, tp_size=2)
+        engines.append(ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), dp_rank=dp_rank, dp_size=2))
+    assert [p.rank_label() for p in engines] == ["dp rank 0 of 2, tp rank 0 of 2", "dp rank 1 of 2, tp rank 1 of 2"]
+    assert [p.writes_stats for p in engines] == [True, False]
+    assert [int(p.host_tier.sum()) for p in engines] == [8, 8]  # each engine: half of every layer's experts, sliced
+    for p in engines:
+        p.release("test done")
