@@ -24,8 +24,8 @@ from support.router_counts import hf_router_counts
 
 pytestmark = pytest.mark.engine
 
-PLACEMENT_LINE = re.compile(r"expert placement \(ep rank (\d) of 2, experts (\d+)-(\d+)\): (\d+) of (\d+) routed experts "
-                            r"in the host tier")
+PLACEMENT_LINE = re.compile(r"expert placement \(ep rank (\d) of 2, experts (\d+)-(\d+)\): (\d+) of (\d+) "
+                            r"routed experts in the host tier")
 
 
 def test_tensor_parallel_2_with_expert_parallelism(tmp_path) -> None:

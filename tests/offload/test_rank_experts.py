@@ -30,7 +30,7 @@ def test_linear_share_equals_vllm_expert_map(num_experts: int, ep_size: int) -> 
     for ep_rank in range(ep_size):
         count, expert_map, _ = determine_expert_map(ep_size, ep_rank, num_experts, "linear")
         ours = RankExperts.linear(num_experts, ep_rank, ep_size)
-        assert ours == RankExperts.from_expert_map(expert_map.tolist(), num_experts, ep_rank, ep_size)
+        assert ours == RankExperts.from_expert_map(expert_map.tolist(), ep_rank, ep_size)
         assert len(ours.local) == count
         shares.extend(ours.local)
     assert sorted(shares) == list(range(num_experts)), "every expert on exactly one rank"
@@ -41,18 +41,18 @@ def test_expert_map_round_robin_and_local_order() -> None:
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     _, expert_map, _ = determine_expert_map(2, 1, 8, "round_robin")
-    rank = RankExperts.from_expert_map(expert_map.tolist(), 8, 1, 2)
+    rank = RankExperts.from_expert_map(expert_map.tolist(), 1, 2)
     assert rank.local == (1, 3, 5, 7)
     assert rank.mask.tolist() == [False, True] * 4
     assert rank.label() == "ep rank 1 of 2, experts 1,3,5,7"
     assert RankExperts.linear(8, 1, 2).label() == "ep rank 1 of 2, experts 4-7"
-    assert RankExperts.every(8).label() == "" and RankExperts.from_expert_map(None, 8, 0, 1) == RankExperts.every(8)
+    assert RankExperts.every(8).label() == ""
 
 
-@pytest.mark.parametrize("bad", [[0, -1, 0, -1], [1, -1, 2, -1], [0, 1, 2]])
+@pytest.mark.parametrize("bad", [[0, -1, 0, -1], [1, -1, 2, -1], [0, -1, 2, -1]])
 def test_expert_map_that_does_not_number_local_slots_is_refused(bad: list[int]) -> None:
-    with pytest.raises(ValueError, match="expert_map"):
-        RankExperts.from_expert_map(bad, 4, 0, 2)
+    with pytest.raises(ValueError, match="does not number this rank's experts"):
+        RankExperts.from_expert_map(bad, 0, 2)
 
 
 def test_host_fraction_is_per_rank_and_layer() -> None:
@@ -133,6 +133,10 @@ def test_process_placement_counts_global_ids_and_places_only_local(tmp_path) -> 
     assert report["local_experts"] == [4, 5, 6, 7] and report["ep_rank"] == 1
     for p in (whole, *ranks):
         p.release("test done")
+    from vllm_expert_offload.errors import ExpertOffloadError
+
+    with pytest.raises(ExpertOffloadError, match="vLLM's expert map covers 6 routed experts, the checkpoint has 8"):
+        ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), rank=RankExperts.linear(6, 0, 2))
 
 
 def test_data_parallel_engines_label_their_rank_and_only_the_first_writes_statistics() -> None:
@@ -149,7 +153,8 @@ def test_data_parallel_engines_label_their_rank_and_only_the_first_writes_statis
     engines = []
     for dp_rank in (0, 1):
         geometry = ExpertGeometry(hidden=128, intermediate=256, intermediate_per_rank=128, tp_rank=dp_rank, tp_size=2)
-        engines.append(ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), dp_rank=dp_rank, dp_size=2))
+        engines.append(ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), dp_rank=dp_rank,
+                                        dp_size=2))
     assert [p.rank_label() for p in engines] == ["dp rank 0 of 2, tp rank 0 of 2", "dp rank 1 of 2, tp rank 1 of 2"]
     assert [p.writes_stats for p in engines] == [True, False]
     assert [int(p.host_tier.sum()) for p in engines] == [8, 8]  # each engine: half of every layer's experts, sliced

@@ -72,17 +72,12 @@ class RankExperts:
         return cls(num_experts, tuple(range(num_experts)))
 
     @classmethod
-    def from_expert_map(cls, expert_map: Sequence[int] | None, num_experts: int, ep_rank: int,
-                        ep_size: int) -> RankExperts:
-        """From vLLM's expert map ([global id] -> local id, or -1 for another rank's; None without EP)."""
-        if expert_map is None:
-            return cls.every(num_experts)
-        if len(expert_map) != num_experts:
-            raise ValueError(f"expert_map has {len(expert_map)} entries for {num_experts} routed experts")
+    def from_expert_map(cls, expert_map: Sequence[int], ep_rank: int, ep_size: int) -> RankExperts:
+        """From vLLM's expert map under EP: [global id] -> local id, or -1 for another rank's expert."""
         local = sorted((int(slot), expert) for expert, slot in enumerate(expert_map) if slot >= 0)
         if [slot for slot, _ in local] != list(range(len(local))):
             raise ValueError(f"expert_map {list(expert_map)} does not number this rank's experts 0..n-1")
-        return cls(num_experts, tuple(expert for _, expert in local), ep_rank, ep_size)
+        return cls(len(expert_map), tuple(expert for _, expert in local), ep_rank, ep_size)
 
     @classmethod
     def linear(cls, num_experts: int, ep_rank: int, ep_size: int) -> RankExperts:

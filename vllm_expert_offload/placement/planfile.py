@@ -1,7 +1,7 @@
 """Versioned, human-editable JSON plan files: which experts of which MoE layer live in GPU memory.
 
-A plan is only valid for the model, tensor- or expert-parallel size and quantization it was made for: the same expert ids at
-another bitrate have other byte sizes, so a plan that fit could overflow the GPU. The file therefore records the model
+A plan is only valid for the model, tensor- or expert-parallel size and quantization it was made for: the same expert
+ids at another bitrate have other byte sizes, so a plan that fit could overflow the GPU. The file therefore records the model
 identity, including a SHA-256 of the per-expert byte sizes, and `load_plan` refuses any mismatch, naming the field.
 
 Layout (one layer per line, so a person can move ids between tiers with a text editor):

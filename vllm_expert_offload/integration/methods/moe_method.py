@@ -63,8 +63,7 @@ def _rank_experts(layer: torch.nn.Module, parallel) -> RankExperts | None:
         )
     if layer.expert_map is None:
         return None  # every expert, each a TP slice
-    expert_map = layer.expert_map.tolist()
-    return RankExperts.from_expert_map(expert_map, len(expert_map), parallel.ep_rank, parallel.ep_size)
+    return RankExperts.from_expert_map(layer.expert_map.tolist(), parallel.ep_rank, parallel.ep_size)
 
 
 def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device) -> None:
