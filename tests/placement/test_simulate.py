@@ -88,3 +88,11 @@ def test_model_gives_the_sizes_a_checkpoints_plan_was_made_for(tmp_path, capsys)
     by_model = simulate(tmp_path, plan, "--concurrency", "1,4", sizes=("--model", str(model)))
     assert simulate(tmp_path, plan, "--concurrency", "1,4", sizes=("--expert-bytes", "36864")) == by_model
     assert by_model[0]["host_bytes"] == pytest.approx(by_model[0]["gpu_bytes"])  # half of each layer on host
+
+
+def test_expert_parallel_plan_is_refused_by_name(tmp_path, capsys):
+    """One step's bytes summed over every expert is not what EP ranks, each reading its own experts, take."""
+    path = tmp_path / "plan-ep.json"
+    save_plan(path, np.ones((2, 4), dtype=bool), ModelIdentity.from_expert_bytes("TestMoe", 2, [0, 1], 1, SIZES, 2))
+    assert main(["simulate", "--plan", str(path), "--expert-bytes", "100", "--top-k", "2"]) == 2
+    assert "is an expert-parallel plan (ep_size 2)" in capsys.readouterr().err

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     """Exit status 2 with one `error:` line for a plan, statistics or limits file that does not fit the flags."""
     try:
         plan, identity = read_plan(args.plan)
+        if identity.ep_size > 1:  # each rank reads its own experts, in parallel: not what one step's sum models
+            raise ValueError(f"{args.plan} is an expert-parallel plan (ep_size {identity.ep_size}); simulate models "
+                             "one rank holding a share of every expert, not expert parallelism, yet")
         link, hbm = bandwidths(args.pcie_gbs, args.hbm_gbs, args.gpu_check)
         model = DecodeCostModel(args.top_k, link, hbm, args.dense_bytes_per_layer, overlap=not args.serial)
         sizes = plan_sizes(identity, args.model, args.expert_bytes)
