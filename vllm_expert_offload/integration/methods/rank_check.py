@@ -28,9 +28,13 @@ def checking_ranks() -> bool:
 
 
 def _tp_all_gather(digest: torch.Tensor) -> torch.Tensor:
+    """Every rank's int64 digest, (world, n). Sent as float32 holding its 16-bit pieces (exact): vLLM's CPU
+    shared-memory all-gather takes no int64."""
     from vllm.distributed import get_tp_group
 
-    return get_tp_group().all_gather(digest[None], dim=0)
+    pieces = digest.contiguous().view(torch.int16).float()
+    every = get_tp_group().all_gather(pieces[None], dim=0)
+    return every.to(torch.int16).contiguous().view(torch.int64)
 
 
 def check_ranks_agree(layer: str, digest: torch.Tensor, gather=_tp_all_gather) -> None:
