@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels import cpu_exl3
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks
 from vllm_expert_offload.kernels.expert_slots import ExpertSlots, expert_trellis_bytes
@@ -131,8 +132,22 @@ def test_off_policy_never_fills_and_keeps_the_initial_slots() -> None:
     _assert_tables_follow_policy(slots, experts, arena)
 
 
-def test_fill_racing_reads_of_the_same_expert_in_one_launch() -> None:
-    """Expert 1 is read from its host record by 70 rows (three 32-row blocks of one matrix) and written through into
+@pytest.fixture(params=["baseline", "avx2", "avx512"])
+def isa(request):
+    """Each instruction-set copy of the CPU kernel the machine has (each has its own write-through code)."""
+    module = cpu_exl3.extension()
+    chosen = module.exl3_cpu_isa()
+    try:
+        module.exl3_set_cpu_isa(request.param)
+    except RuntimeError as exc:
+        assert "does not support" in str(exc)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    module.exl3_set_cpu_isa(chosen)
+
+
+def test_fill_racing_reads_of_the_same_expert_in_one_launch(isa: str) -> None:
+    """Expert 1 is read from its host record by 73 rows (three 32-row blocks of one matrix) and written through into
     a slot in the same launch, beside expert 0: the product is the plain launch's, the slot holds the trellis
     exactly (written once, by one block), and nothing else of the pool changed."""
     experts, tables, _, _ = _host_layer(seed=2)
