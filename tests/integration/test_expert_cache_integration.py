@@ -19,8 +19,10 @@ from vllm_expert_offload.kernels.oracle import BackendUnavailable, KernelChoice
 from vllm_expert_offload.offload.options import parse_offload_options
 
 # columns: gpu_reads, host_reads, host_read_bytes, fills, evictions
-RANK0 = {"layers": [3, 7], "counts": [[5, 3, 300, 2, 1], [0, 8, 800, 4, 0]], "gpu_tier_bytes": 10, "host_tier_bytes": 40}
-RANK1 = {"layers": [3, 7], "counts": [[5, 3, 310, 2, 1], [0, 8, 790, 4, 0]], "gpu_tier_bytes": 11, "host_tier_bytes": 41}
+RANK0 = {"layers": [3, 7], "counts": [[5, 3, 300, 2, 1], [0, 8, 800, 4, 0]],
+         "gpu_tier_bytes": 10, "host_tier_bytes": 40}
+RANK1 = {"layers": [3, 7], "counts": [[5, 3, 310, 2, 1], [0, 8, 790, 4, 0]],
+         "gpu_tier_bytes": 11, "host_tier_bytes": 41}
 
 
 def _scrape(metrics: TierMetrics) -> dict:

@@ -3,7 +3,8 @@
 In order: refuse bad `expert_offload` options before any engine process starts (a path that cannot be written
 fails in seconds, not after loading the model); run the readiness smoke (readiness.py) before anyone gets the
 engine; then, under `vllm serve`, save routing statistics periodically and on SIGUSR1 (stats_saver.py) and keep
-the `vllm_expert_offload_*` metrics of /metrics current (metrics.py) while the server serves. Engine-core and worker processes import neither factory and are not touched.
+the `vllm_expert_offload_*` metrics of /metrics current (metrics.py) while the server serves. Engine-core and
+worker processes import neither factory and are not touched.
 """
 
 from __future__ import annotations
