@@ -5,8 +5,8 @@ out)`: out[row] = a[row] @ W_hat[matrix of row's block], decoding the trellis in
 `write_through` also takes `launch(..., out, fill)`: `fill` is int64 (matrices,), 0 = nothing, else an address
 with the trellis's layout where every word of that matrix's trellis the launch reads is also stored, once per
 launch; that is how an expert read from the host tier lands in its GPU cache slot for free (expert_slots.py).
-Everything else is here, once: the Hadamard rotations with suh/svh (exl3-format.md §2.1), which rows each block takes, the MoE's
-gathers, activation, TP crop, router weights and per-token sum, and the dense linear's shards.
+Everything else is here, once: the Hadamard rotations with suh/svh (exl3-format.md §2.1), which rows each block
+takes, the MoE's gathers, activation, TP crop, router weights and per-token sum, and the dense linear's shards.
 
 Routed experts: gate, up and down are three launches per batch, each reading every trellis through the
 layer's pointer tables (VRAM and host-arena addresses in the same launch). With an expert cache, one forward is:
