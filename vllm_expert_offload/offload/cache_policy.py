@@ -39,6 +39,8 @@ POLICIES = ("decayed-lfu", "lru", "off")
 # Tuned on the held-out moe-beyond traces and the DeepSeekMoE-16B domain stream (docs/placement.md,
 # "Dynamic placement"): short enough to follow a prompt's recent experts, long enough not to churn between tokens.
 DEFAULT_HALF_LIFE_TOKENS = 8.0
+FREQUENCY_SCALE = 64.0  # the frequency half-life, in recency half-lives
+ADVANTAGE_HALF_LIFE = 8.0  # how fast a layer forgets which scale served it better, in recency half-lives
 _NEVER = math.inf  # the rank key of what must not be chosen (a non-candidate, an unevictable resident)
 
 
@@ -118,10 +120,13 @@ class ExpertCache:
         self._expert_state[layer.to(self.device), start[layer, expert].long().to(self.device)] = expert.to(
             self.device, torch.int32)
         self._score = torch.zeros(rows, num_experts, dtype=torch.float64, device=self.device)
+        # decayed-LFU's two time scales and, per layer, which one would have served more reads lately
+        self._scales = torch.zeros(2, rows, num_experts, dtype=torch.float64, device=self.device)
+        self._advantage = torch.zeros(rows, dtype=torch.float64, device=self.device)
         self._clock = torch.zeros((), dtype=torch.float64, device=self.device)  # tokens seen (LRU stamps)
         self._pinned = self._pinned.to(self.device)
         self._rows = torch.arange(rows, device=self.device)[:, None]
-        self._decay_cache: dict[int, float] = {}
+        self._decay_cache: dict[tuple[int, float], float] = {}
 
     def _per_layer(self, value: torch.Tensor | None, dtype: torch.dtype, fill: object, rows: int,
                    name: str) -> torch.Tensor:
@@ -156,11 +161,13 @@ class ExpertCache:
         digest = torch.stack([(slots * weights).sum(-1), (scores * weights).sum(-1)], dim=-1)
         return digest[0] if self.layers is None else digest
 
-    def _decay(self, tokens: int) -> float:
-        """Factor that ages decayed-LFU scores by `tokens` tokens (a host number: T is a shape, not data)."""
-        if tokens not in self._decay_cache:
-            self._decay_cache[tokens] = 0.5 ** (tokens / self.settings.half_life_tokens)
-        return self._decay_cache[tokens]
+    def _decay(self, tokens: int, scale: float) -> float:
+        """Factor that ages a decayed count by `tokens` tokens at `scale` x the half-life (host numbers: T is a
+        shape, not data)."""
+        key = (tokens, scale)
+        if key not in self._decay_cache:
+            self._decay_cache[key] = 0.5 ** (tokens / (scale * self.settings.half_life_tokens))
+        return self._decay_cache[key]
 
     def step(self, topk_ids: torch.Tensor) -> CacheStep:
         """Count this forward's reads, update the policy and install the missed experts it admits; device ops only.
@@ -200,7 +207,16 @@ class ExpertCache:
             self._score.copy_(torch.where(selected, self._clock + last, self._score))
             self._clock.add_(tokens)
         else:
-            self._score.mul_(self._decay(tokens)).add_(reads)
+            self._update_frequency(reads, tokens)
+
+    def _update_frequency(self, reads: torch.Tensor, tokens: int) -> None:
+        """Decayed counts at the recency and frequency half-lives; each layer ranks by the scale whose top `slots`
+        experts (before this forward) held more of its reads lately (a decayed tally of the difference)."""
+        ghost_hits = (reads[None] * _top(self._scales, self.slots)).sum(-1)
+        self._advantage.mul_(self._decay(tokens, ADVANTAGE_HALF_LIFE)).add_(ghost_hits[0] - ghost_hits[1])
+        self._scales[0].mul_(self._decay(tokens, 1.0)).add_(reads)
+        self._scales[1].mul_(self._decay(tokens, FREQUENCY_SCALE)).add_(reads)
+        self._score.copy_(torch.where(self._advantage[:, None] > 0, self._scales[0], self._scales[1]))
 
     def _choose(self, selected: torch.Tensor, resident: torch.Tensor,
                 fills: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,6 +257,14 @@ class ExpertCache:
         self._expert_state[:, sink_slot] = -1
 
 
+def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """1 where an expert is among the `count` highest scores of its row (ties to the lower expert id), else 0."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
+                                            .expand_as(order))
+    return (rank < count).to(scores.dtype)
+
+
 def _pinned_first(pinned: torch.Tensor, slots: int) -> torch.Tensor:
     """Pinned experts in slots 0, 1, ... in expert order, everything else on the host."""
     order = torch.cumsum(pinned.to(torch.int32), dim=1) - 1
@@ -249,6 +273,8 @@ def _pinned_first(pinned: torch.Tensor, slots: int) -> torch.Tensor:
 
 def _check_assignment(start: torch.Tensor, pinned: torch.Tensor, slots: int) -> None:
     """The starting assignment must be a partial injection into [0, slots) that places every pinned expert."""
+    if (pinned.sum(-1) > slots).any():
+        raise ValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
     if ((start < -1) | (start >= slots)).any():
         raise ValueError(f"initial slots must be -1 or in [0, {slots})")
     for row in range(start.shape[0]):
@@ -256,7 +282,7 @@ def _check_assignment(start: torch.Tensor, pinned: torch.Tensor, slots: int) -> 
         if len(used) != len(torch.unique(used)):
             raise ValueError(f"initial assigns a slot to two experts (layer row {row})")
     if (pinned & (start < 0)).any():
-        raise ValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
+        raise ValueError("initial leaves a pinned expert without a slot")
 
 
 def _hash_weights(n: int, device: torch.device) -> torch.Tensor:
