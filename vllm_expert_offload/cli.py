@@ -14,11 +14,13 @@ from .tools import (
     inspect_cmd,
     plan_cmd,
     quantize_cmd,
+    simulate_cache_cmd,
     simulate_cmd,
     topology_cmd,
 )
 
-COMMANDS = (inspect_cmd, quantize_cmd, plan_cmd, topology_cmd, check_kv_cmd, bench_kernels_cmd, simulate_cmd, bench_cmd)
+COMMANDS = (inspect_cmd, quantize_cmd, plan_cmd, topology_cmd, check_kv_cmd, bench_kernels_cmd, simulate_cmd,
+            simulate_cache_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

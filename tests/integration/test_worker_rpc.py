@@ -65,4 +65,17 @@ def test_no_worker_method_resets_the_counts() -> None:
 
     worker_rpc.install()
     ours = {name for name in dir(WorkerBase) if name.startswith("vllm_expert_offload_")}
-    assert ours == {worker_rpc.END_OF_STARTUP, worker_rpc.SAVE_STATS, worker_rpc.MEMORY_REPORT}
+    assert ours == {worker_rpc.END_OF_STARTUP, worker_rpc.SAVE_STATS, worker_rpc.MEMORY_REPORT,
+                    worker_rpc.TIER_COUNTERS}
+
+
+def test_tier_counters_report_reads_without_resetting_them(tmp_path, summary) -> None:
+    worker = _worker(summary, None)
+    placement = worker.vllm_config.quant_config.placement
+    placement.tier_counters.counts[1] += torch.tensor([1, 2, 3, 4, 5])
+    first = worker_rpc.tier_counters(worker)
+    assert first["layers"] == list(placement.moe_layers) and first["counts"][1] == [1, 2, 3, 4, 5]
+    assert first["gpu_tier_bytes"] == placement.gpu_tier_bytes() and first["host_tier_bytes"] == 0  # all on GPU
+    assert worker_rpc.tier_counters(worker) == first
+    with pytest.raises(TypeError):
+        worker_rpc.tier_counters(worker, "reset")  # what a dev-mode client could send

@@ -161,3 +161,34 @@ def test_record_stats_target_that_is_not_a_regular_file_is_refused_untouched(tmp
         assert os.lstat(path) == before[path]
     assert not [name for name in opened if Path(name) in before]
     assert parse_offload_options({"expert_offload": {"record_stats": str(regular)}}).record_stats == regular
+
+
+def test_dynamic_option_parsed_once_off_unless_asked() -> None:
+    assert parse_offload_options({"expert_offload": {"host_fraction": 0.5}}).dynamic is None
+    opts = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "dynamic": {}}})
+    assert opts.caches and opts.dynamic.policy == "decayed-lfu"  # the default policy when on
+    lru = parse_offload_options({"expert_offload": {"host_fraction": 0.5,
+                                                    "dynamic": {"policy": "lru", "half_life_tokens": 16}}})
+    assert lru.dynamic.policy == "lru" and lru.dynamic.half_life_tokens == 16
+    off = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "dynamic": {"policy": "off"}}})
+    assert off.dynamic is not None and not off.caches
+
+
+@pytest.mark.parametrize(
+    ("dynamic", "named"),
+    [
+        ({"policy": "lfu"}, "expert_offload.dynamic.policy: 'lfu' is not one of"),
+        ({"half_life_tokens": 0}, "expert_offload.dynamic.half_life_tokens"),
+        ({"half_life_tokens": "8"}, "expert_offload.dynamic.half_life_tokens"),
+        ({"policy": "lru", "halflife": 3}, "expert_offload.dynamic.halflife: unknown option"),
+        ("lru", "expert_offload.dynamic: expected an object"),
+    ],
+)
+def test_bad_dynamic_values_refused_with_key_named(dynamic, named: str) -> None:
+    with pytest.raises(OffloadOptionError, match=named.replace(".", r"\.").replace("(", r"\(")):
+        parse_offload_options({"expert_offload": {"host_fraction": 0.5, "dynamic": dynamic}})
+
+
+def test_dynamic_without_a_host_tier_refused() -> None:
+    with pytest.raises(OffloadOptionError, match=r"expert_offload\.dynamic: only used together with"):
+        parse_offload_options({"expert_offload": {"dynamic": {"policy": "lru"}}})

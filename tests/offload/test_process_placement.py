@@ -111,3 +111,23 @@ def test_startup_counts_are_dropped_once_and_never_again(summary) -> None:
     with pytest.raises(StartupCountsSpent, match="dropped already"):
         placement.discard_startup_counts()
     assert int(placement.counts.sum()) == placement.counts.numel()
+
+
+def test_with_a_cache_every_expert_gets_a_host_record_and_slots_cost_the_static_tier(tmp_path) -> None:
+    """The slots take what the plan's GPU experts took (one size per layer here), and the arena grows by their
+    records: an evicted expert is read from there."""
+    from vllm_expert_offload.offload.cache_policy import CacheSettings
+
+    summary = validate_checkpoint(Exl3Checkpoint.open(build_tiny_model(None, "qwen3_moe")))
+    geometry = ExpertGeometry(hidden=128, intermediate=256, intermediate_per_rank=256, tp_rank=0, tp_size=1)
+    options = OffloadOptions(host_fraction=0.75)
+    static = ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"))
+    cached = ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), cache=CacheSettings())
+    assert cached.gpu_tier_bytes() == static.gpu_tier_bytes() > 0
+    assert sorted(cached.gpu_tier_sizes()) == sorted(static.gpu_tier_sizes())
+    assert cached.host_tier_bytes() == int(static.record_bytes.sum()) <= cached.arena.capacity_bytes
+    assert [cached.slots(layer) for layer in cached.moe_layers] == [2, 2]
+    assert not any(cached.loads_to_gpu(layer, e) for layer in cached.moe_layers for e in range(8))
+    assert static.loads_to_gpu(0, 0) and not static.loads_to_gpu(0, 7)
+    for placement in (static, cached):
+        placement.release("test")

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,10 @@ struct MatmulArgs {
   int64_t size_k, size_n, block_m;
   float* out;
   int64_t out_stride;
+  // Write-through fill (nullptr: none): fill[matrix] != 0 is where that matrix's trellis is also stored, word for
+  // word as it is read, by the one block fill_block[matrix] (its first), so each word is written once per launch.
+  const int64_t* fill;
+  const int64_t* fill_block;
 };
 
 #if defined(__x86_64__)
@@ -121,7 +126,7 @@ std::string exl3_set_cpu_isa(const std::string& name) {
 void exl3_matmul_cpu(const at::Tensor& a, const at::Tensor& row_ids, const at::Tensor& block_matrix,
                      const at::Tensor& trellis_table, const at::Tensor& twice_k_table,
                      const at::Tensor& codebook_table, const at::Tensor& codebook_values, int64_t size_k,
-                     int64_t size_n, int64_t block_m, at::Tensor& out) {
+                     int64_t size_n, int64_t block_m, at::Tensor& out, const std::optional<at::Tensor>& fill) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "a and out must be float32");
   TORCH_CHECK(a.stride(1) == 1 && out.stride(1) == 1, "a and out need a contiguous last dimension");
   TORCH_CHECK(a.size(1) == size_k && out.size(1) == size_n, "a / out widths do not match the table's matrices");
@@ -130,11 +135,25 @@ void exl3_matmul_cpu(const at::Tensor& a, const at::Tensor& row_ids, const at::T
   TORCH_CHECK(codebook_values.scalar_type() == at::kFloat && codebook_values.size(1) == kStates,
               "codebook_values must be (3, 65536) float32");
   TORCH_CHECK(size_k % 16 == 0 && size_n % 16 == 0, "EXL3 matrices are made of 16x16 tiles");
+  std::vector<int64_t> fill_block;
+  const int64_t* fill_data = nullptr;
+  if (fill.has_value()) {
+    TORCH_CHECK(fill->scalar_type() == at::kLong && fill->is_contiguous() && fill->numel() == trellis_table.numel(),
+                "fill must be a contiguous int64 table with one entry per matrix of the trellis table");
+    fill_data = fill->data_ptr<int64_t>();
+    fill_block.assign(trellis_table.numel(), -1);  // the first block that reads each matrix writes its fill
+    const int32_t* matrices = block_matrix.data_ptr<int32_t>();
+    const int32_t* rows = row_ids.data_ptr<int32_t>();
+    for (int64_t block = 0; block < block_matrix.numel(); ++block) {
+      const int32_t matrix = matrices[block];
+      if (matrix >= 0 && rows[block * block_m] >= 0 && fill_block[matrix] < 0) fill_block[matrix] = block;
+    }
+  }
   const MatmulArgs args{a.data_ptr<float>(), a.stride(0), row_ids.data_ptr<int32_t>(),
                         block_matrix.data_ptr<int32_t>(), block_matrix.numel(), trellis_table.data_ptr<int64_t>(),
                         twice_k_table.data_ptr<int32_t>(), codebook_table.data_ptr<int32_t>(),
                         codebook_values.data_ptr<float>(), size_k, size_n, block_m, out.data_ptr<float>(),
-                        out.stride(0)};
+                        out.stride(0), fill_data, fill_block.empty() ? nullptr : fill_block.data()};
   kernels().matmul(args);
 }
 

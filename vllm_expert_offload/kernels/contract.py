@@ -19,6 +19,7 @@ import torch
 
 from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
+from .expert_slots import ExpertSlots
 from .linear import LinearShard
 from .pointer_tables import PointerTables, ScaleStacks
 
@@ -44,6 +45,7 @@ class MoELayer:
     dtype: torch.dtype  # the model's activation dtype
     device: torch.device
     swiglu_limit: float | None = None  # DeepSeek-V4: gate <= limit, |up| <= limit before SiLU
+    cache: ExpertSlots | None = None  # the GPU tier as an expert cache (only for a backend that writes through)
 
     @property
     def name(self) -> str:
@@ -95,6 +97,9 @@ class Backend:
     build_linear: Callable[[LinearLayer], LinearKernel]
     moe_refusal: Callable[[MoELayer], str | None] = refuses_nothing  # None, or why it cannot compute that layer
     linear_refusal: Callable[[LinearLayer], str | None] = refuses_nothing
+    # Its MoE kernels store a host-tier expert into its cache slot as they read it (the dynamic GPU tier,
+    # kernels/expert_slots.py); a backend without it serves the static plan.
+    write_through: bool = False
 
     @property
     def refuses_layers(self) -> bool:

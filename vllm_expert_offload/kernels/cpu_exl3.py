@@ -79,11 +79,13 @@ def _codebook_values() -> torch.Tensor:
 
 
 def _exl3_matmul_compiled(
-    a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
+    a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor,
+    fill: torch.Tensor | None = None,
 ) -> None:
-    """out[row] = a[row] @ W_hat[matrix of row's block] (the Triton launcher's contract), fp32."""
+    """out[row] = a[row] @ W_hat[matrix of row's block] (the Triton launcher's contract), fp32; with `fill`, each
+    matrix whose entry is an address is also written there as it is read (write-through, rotated.py)."""
     extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
-                                 _codebook_values(), table.in_features, table.out_features, BLOCK_M, out)
+                                 _codebook_values(), table.in_features, table.out_features, BLOCK_M, out, fill)
 
 
 # An op (launch_ops.py), so the glue around it runs on the meta device in the no-sync proof.
@@ -91,7 +93,7 @@ launch_cpu_matmul = register_table_launch("exl3_matmul_cpu", _exl3_matmul_compil
 
 
 CPU_MATMUL = MatmulBackend("cpu", launch_cpu_matmul, block_m=BLOCK_M, per_slot_max_tokens=0,
-                           dot_dtype=lambda dtype: torch.float32)
+                           dot_dtype=lambda dtype: torch.float32, write_through=True)
 
 
 def cpu_unavailable(device: torch.device) -> str | None:
@@ -110,7 +112,8 @@ def _loaded() -> MatmulBackend:
 
 
 BACKEND = Backend(
-    name="cpu", description="the compiled CPU kernel", auto_on=("cpu",), graph_safe=True, unavailable=cpu_unavailable,
+    name="cpu", description="the compiled CPU kernel", auto_on=("cpu",), graph_safe=True, write_through=True,
+    unavailable=cpu_unavailable,
     build_moe=lambda layer: rotated_moe(layer, _loaded()),
     build_linear=lambda layer: rotated_linear(layer, _loaded()),
 )

@@ -31,7 +31,7 @@ import torch
 from .matrix_table import MatrixTable
 from .ops import LIBRARY
 
-TableLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MatrixTable, torch.Tensor], None]
+TableLaunch = Callable[..., None]  # (a, row_ids, block_matrix, table, out[, fill]): MatmulBackend.launch
 
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")  # noqa: TOR901 (kept alive for the ops' lifetime)
 LAUNCH_OPS: set[str] = set()  # "vllm_expert_offload::<name>" of every launch registered here
@@ -57,20 +57,26 @@ _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "int": "int"}  # MatrixTable's field 
 TABLE_ARGUMENTS = ", ".join(
     ["Tensor a", "Tensor row_ids", "Tensor block_matrix"]
     + [f"{_SCHEMA_TYPES[field.type]} {field.name}" for field in _TABLE_FIELDS]
-    + ["Tensor(a!) out"]
+    + ["Tensor(a!) out", "Tensor? fill=None"]
 )
 
 
 def register_table_launch(name: str, launch: TableLaunch) -> TableLaunch:
-    """`launch(a, row_ids, block_matrix, table, out)` behind op `name` (see `register_launch`), called the same way."""
+    """`launch(a, row_ids, block_matrix, table, out[, fill])` behind op `name` (see `register_launch`), called the
+    same way; `fill` (a write-through table, rotated.py) reaches `launch` only when given, so a launcher that cannot
+    write through keeps its five-argument form. The fill's destinations are raw addresses, not tensors the op
+    names: only the layer's own op (kernels/ops.py) is what torch.compile sees, so nothing reorders around them."""
 
-    def unpacked(a, row_ids, block_matrix, *table_and_out):
-        launch(a, row_ids, block_matrix, MatrixTable(*table_and_out[:-1]), table_and_out[-1])
+    def unpacked(a, row_ids, block_matrix, *table_out_fill):
+        # torch drops a trailing argument left at its default, so `fill` is there only when one was given
+        fields = len(_TABLE_FIELDS)
+        table, out, fill = table_out_fill[:fields], table_out_fill[fields], table_out_fill[fields + 1:]
+        launch(a, row_ids, block_matrix, MatrixTable(*table), out, *(f for f in fill if f is not None))
 
     op = register_launch(name, TABLE_ARGUMENTS, unpacked)
 
     def through_op(a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable,
-                   out: torch.Tensor) -> None:
-        op(a, row_ids, block_matrix, *(getattr(table, field.name) for field in _TABLE_FIELDS), out)
+                   out: torch.Tensor, fill: torch.Tensor | None = None) -> None:
+        op(a, row_ids, block_matrix, *(getattr(table, field.name) for field in _TABLE_FIELDS), out, fill)
 
     return through_op

@@ -1,12 +1,18 @@
 """The glue every trellis-reading backend shares: the rotated-basis form around one matmul launcher.
 
 A backend (Triton on a GPU, the compiled CPU kernel) supplies only `launch(a, row_ids, block_matrix, table,
-out)`: out[row] = a[row] @ W_hat[matrix of row's block], decoding the trellis in place. Everything else is
-here, once: the Hadamard rotations with suh/svh (exl3-format.md §2.1), which rows each block takes, the MoE's
-gathers, activation, TP crop, router weights and per-token sum, and the dense linear's shards.
+out)`: out[row] = a[row] @ W_hat[matrix of row's block], decoding the trellis in place. A backend that sets
+`write_through` also takes `launch(..., out, fill)`: `fill` is int64 (matrices,), 0 = nothing, else an address
+with the trellis's layout where every word of that matrix's trellis the launch reads is also stored, once per
+launch; that is how an expert read from the host tier lands in its GPU cache slot for free (expert_slots.py).
+Everything else is here, once: the Hadamard rotations with suh/svh (exl3-format.md §2.1), which rows each block
+takes, the MoE's gathers, activation, TP crop, router weights and per-token sum, and the dense linear's shards.
 
 Routed experts: gate, up and down are three launches per batch, each reading every trellis through the
-layer's pointer tables (VRAM and host-arena addresses in the same launch). The glue is made of device ops
+layer's pointer tables (VRAM and host-arena addresses in the same launch). With an expert cache, one forward is:
+the cache's step (which experts get which slots), the three launches reading through the old tables and writing
+the fills, then the tables switch to the new assignment (a fill never targets a slot read in the same step:
+the policy never evicts an expert the step reads). The glue is made of device ops
 whose shapes depend on the batch shape alone: no host synchronisation, so vLLM can capture the forward in a
 CUDA graph. The per-token sum runs over the slots in their fixed order, so results are deterministic.
 
@@ -28,6 +34,7 @@ from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
 from .activation import silu_and_mul
 from .contract import ExpertCrop, LinearLayer, MoELayer
+from .expert_slots import ExpertSlots
 from .expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from .linear import LinearShard
 from .matrix_table import MatrixTable, matrix_table, own_addresses
@@ -41,18 +48,20 @@ class MatmulBackend:
     block_m: int  # rows per block
     per_slot_max_tokens: int  # up to this many tokens each MoE slot gets its own block (decode); above, grouped
     dot_dtype: Callable[[torch.dtype], torch.dtype]  # activation dtype -> what the launcher multiplies in
+    write_through: bool = False  # launch takes a sixth argument, the fill table (module docstring)
 
 
 def exl3_matmul(
     x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor,
-    table: MatrixTable, backend: MatmulBackend, activation_dtype: torch.dtype,
+    table: MatrixTable, backend: MatmulBackend, activation_dtype: torch.dtype, fill: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W for the matrix of each row's block, in fp32: had(x ⊙ suh) through the launcher, then
     had(·) ⊙ svh. x: (rows, in_features); suh/svh: one row per x row, or one for all. The input is rounded to
-    the backend's dot dtype after its rotation, as exllamav3's kernels round it to fp16."""
+    the backend's dot dtype after its rotation, as exllamav3's kernels round it to fp16. `fill`: the
+    write-through table (module docstring), for a backend that takes one."""
     rotated = hadamard_last(x.float() * suh.float()).to(backend.dot_dtype(activation_dtype))
     acc = torch.zeros(x.shape[0], table.out_features, dtype=torch.float32, device=x.device)
-    backend.launch(rotated, row_ids, block_matrix, table, acc)
+    backend.launch(rotated, row_ids, block_matrix, table, acc, *(() if fill is None else (fill,)))
     return hadamard_last(acc) * svh.float()
 
 
@@ -67,8 +76,12 @@ class RotatedMoE:
         device: torch.device,
         backend: MatmulBackend,
         swiglu_limit: float | None = None,
+        cache: ExpertSlots | None = None,
     ) -> None:
+        if cache is not None and not backend.write_through:
+            raise ValueError(f"the {backend.name} launcher cannot write an expert through into a cache slot")
         self.backend = backend
+        self.cache = cache
         # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
         self.experts = list(experts)
         self.arena = arena
@@ -84,10 +97,11 @@ class RotatedMoE:
         keep[crop.offset : crop.offset + crop.intermediate] = 1.0
         self.keep_channels = keep
 
-    def _project(self, projection: str, x: torch.Tensor, ids: torch.Tensor, blocks, dtype) -> torch.Tensor:
+    def _project(self, projection: str, x: torch.Tensor, ids: torch.Tensor, blocks, dtype,
+                 fills: dict[str, torch.Tensor]) -> torch.Tensor:
         suh = self.scales[(projection, "suh")][ids]
         svh = self.scales[(projection, "svh")][ids]
-        return exl3_matmul(x, suh, svh, *blocks, self.tables[projection], self.backend, dtype)
+        return exl3_matmul(x, suh, svh, *blocks, self.tables[projection], self.backend, dtype, fills.get(projection))
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
@@ -104,10 +118,13 @@ class RotatedMoE:
             blocks = per_row_blocks(ids, self.backend.block_m)
         else:
             blocks = grouped_blocks(ids, self.num_experts, self.backend.block_m)
-        gate = self._project("gate", slots, ids, blocks, x.dtype)
-        up = self._project("up", slots, ids, blocks, x.dtype)
+        fills = {} if self.cache is None else self.cache.begin(topk_ids)  # decide, then read with the old tables
+        gate = self._project("gate", slots, ids, blocks, x.dtype, fills)
+        up = self._project("up", slots, ids, blocks, x.dtype, fills)
         act = silu_and_mul(gate, up, self.swiglu_limit) * self.keep_channels
-        down = self._project("down", act, ids, blocks, x.dtype)[:, : self.hidden]
+        down = self._project("down", act, ids, blocks, x.dtype, fills)[:, : self.hidden]
+        if self.cache is not None:
+            self.cache.finish()  # every launch of this forward is queued: the tables switch now
         if not apply_router_weight_on_input:
             down = down * route
         return down.reshape(tokens, top_k, self.hidden).sum(dim=1).to(x.dtype)
@@ -140,7 +157,7 @@ class RotatedLinear:
 
 def rotated_moe(layer: MoELayer, backend: MatmulBackend) -> RotatedMoE:
     return RotatedMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.device, backend,
-                      layer.swiglu_limit)
+                      layer.swiglu_limit, layer.cache)
 
 
 def rotated_linear(layer: LinearLayer, backend: MatmulBackend) -> RotatedLinear:

@@ -16,13 +16,14 @@ from typing import Any
 from ..errors import ExpertOffloadError
 from ..placement._atomic import replace_refusal
 from ..validation import finite_number, refuse_unknown
+from .cache_policy import CacheSettings, CacheSettingsError, parse_cache_settings
 
 OPTION_KEY = "expert_offload"
 # The EXL3 backends `kernel` may name; kernels/oracle.py decides which runs and refuses what cannot.
 BACKENDS = ("auto", "cpu", "exllamav3", "triton", "torch")
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
 _KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "record_stats_interval_s", "min_free_fraction", "kernel",
-                    "dequantize_linears"})
+                    "dequantize_linears", "dynamic"})
 DEFAULT_MIN_FREE_FRACTION = 0.03
 DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
 MIN_RECORD_STATS_INTERVAL_S = 1.0  # each save is an engine-wide RPC and a file write: not a busy loop
@@ -43,10 +44,16 @@ class OffloadOptions:
     min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION  # GPU memory that must stay free after the KV cache
     kernel: str = "auto"  # one of BACKENDS: the EXL3 backend asked for (kernels/oracle.py decides and refuses)
     dequantize_linears: bool = False  # decode dense EXL3 linears once at load (memory for speed)
+    dynamic: CacheSettings | None = None  # the GPU tier as an expert cache (docs/placement.md); None: static plan
 
     @property
     def offloads(self) -> bool:
         return any(v is not None for v in (self.plan, self.gpu_budget_gib, self.host_fraction))
+
+    @property
+    def caches(self) -> bool:
+        """The GPU tier is asked to be an expert cache (a backend that cannot write through serves it static)."""
+        return self.dynamic is not None and self.dynamic.enabled
 
 
 def _where(key: str) -> str:
@@ -118,6 +125,9 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         raise OffloadOptionError(f"{_where('stats')}: only used together with gpu_budget_gib")
     if "record_stats_interval_s" in raw and "record_stats" not in raw:
         raise OffloadOptionError(f"{_where('record_stats_interval_s')}: only used together with record_stats")
+    if "dynamic" in raw and not any(k in raw for k in _PLACEMENT_KEYS):
+        raise OffloadOptionError(f"{_where('dynamic')}: only used together with one of {list(_PLACEMENT_KEYS)} "
+                                 "(without a host tier there is nothing to cache)")
     return OffloadOptions(
         plan=_path(raw, "plan", must_exist=True),
         gpu_budget_gib=_number(raw, "gpu_budget_gib", 0.0, 1e6),
@@ -129,4 +139,15 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5, DEFAULT_MIN_FREE_FRACTION),
         kernel=_choice(raw, "kernel", BACKENDS, "auto"),
         dequantize_linears=_flag(raw, "dequantize_linears"),
+        dynamic=_dynamic(raw),
     )
+
+
+def _dynamic(raw: dict[str, Any]) -> CacheSettings | None:
+    """`dynamic` parsed by the policy's own reader; its refusals become this module's, naming the key."""
+    if "dynamic" not in raw:
+        return None
+    try:
+        return parse_cache_settings(raw["dynamic"], _where("dynamic"))
+    except CacheSettingsError as exc:
+        raise OffloadOptionError(str(exc)) from None

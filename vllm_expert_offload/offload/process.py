@@ -19,6 +19,8 @@ from ..errors import ExpertOffloadError
 from ..exl3.validate import CheckpointSummary
 from ..memory.arena import HostArena
 from ..placement import RoutingCounts
+from .cache_policy import CacheSettings
+from .counters import TierCounters
 from .options import OffloadOptions
 from .rank_plan import ExpertGeometry, RankExperts, make_plan, model_identity, record_bytes_matrix
 
@@ -59,12 +61,17 @@ class ProcessPlacement:
         rank: RankExperts | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        cache: CacheSettings | None = None,
     ) -> None:
         """`gpu_bytes`: the memory of this worker's GPU (None off CUDA), the bound a budget or plan must fit.
         `rank`: the experts this rank holds (expert parallelism; default every expert, each a TP slice).
         `dp_rank`, `dp_size`: this engine's data-parallel rank and their number (each engine has its own arena and
-        plan; vLLM gathers every engine's tokens into each MoE layer, so one rank's counts hold them all)."""
+        plan; vLLM gathers every engine's tokens into each MoE layer, so one rank's counts hold them all).
+        `cache`: the GPU tier is an expert cache (the backend writes through): every expert gets a host record
+        (an evicted expert is read from there), and each layer's GPU tier is as many slots as the plan gives it
+        GPU experts, each the size of the layer's largest record (kernels/expert_slots.py)."""
         self.options = options
+        self.cache = cache
         self.geometry = geometry
         self.top_k = top_k
         self.moe_layers = summary.layout.moe_layers
@@ -78,7 +85,8 @@ class ProcessPlacement:
         self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity, gpu_bytes, self.rank)
         self.host_tier = ~self.gpu_tier & self.rank.mask  # this rank's experts only; others belong to other ranks
         self.counts = torch.zeros(self.gpu_tier.shape, dtype=torch.int64, device=device)  # global ids: all experts
-        host_bytes = int(self.record_bytes[self.host_tier].sum())
+        self.tier_counters = TierCounters(len(self.moe_layers), device)
+        host_bytes = self.host_tier_bytes()
         # Last of what can fail here: nothing is left holding a mapped arena when an earlier step raises.
         self.arena = HostArena(host_bytes, device=device, numa_node=_arena_numa_node(device)) if host_bytes else None
         self.counting_since = time.time()
@@ -90,11 +98,14 @@ class ProcessPlacement:
             self._exit_save = at_process_exit(self.save_stats, options.record_stats, "at exit")
         logger.info(
             "expert placement (%s): %d of %d routed experts in the host tier (%.1f MiB arena%s), "
-            "%.1f MiB of expert trellises in the GPU tier; plan from %s",
+            "%.1f MiB of expert trellises in the GPU tier; plan from %s%s",
             self.rank_label(), int(self.host_tier.sum()), len(self.moe_layers) * len(self.rank.local),
             host_bytes / 2**20,
             "" if self.arena is None or self.arena.numa_node is None else f" on NUMA node {self.arena.numa_node}",
-            self.record_bytes[self.gpu_tier].sum() / 2**20, source,
+            self.gpu_tier_bytes() / 2**20, source,
+            "" if cache is None else (f"; dynamic: the GPU tier is {int(self.gpu_tier.sum())} expert slots, starting "
+                                      f"with the plan's GPU experts ({cache.policy}, half-life "
+                                      f"{cache.half_life_tokens:g} tokens; every expert has a host record)"),
         )
 
     def rank_label(self) -> str:
@@ -116,9 +127,36 @@ class ProcessPlacement:
         if self.arena is not None:
             self.arena.release(why)
 
+    def loads_to_host_mask(self):
+        """bool [moe layers, experts]: the experts placed into host records at load (with a cache: all of them)."""
+        return self.host_tier if self.cache is None else self.host_tier | self.gpu_tier
+
+    def loads_to_gpu(self, layer: int, expert: int) -> bool:
+        """Whether loading copies this expert's trellises into GPU memory of its own (static plan); with a cache
+        every expert goes to its host record and the plan's GPU experts are copied into slots afterwards."""
+        return self.cache is None and self.in_gpu_tier(layer, expert)
+
+    def slots(self, layer: int) -> int:
+        """Expert slots of this layer's GPU tier (the plan's GPU experts of the layer)."""
+        return int(self.gpu_tier[self.row(layer)].sum())
+
+    def slot_bytes(self, layer: int) -> int:
+        """One slot: the layer's largest host record, so any of its experts fits any slot."""
+        return int(self.record_bytes[self.row(layer)].max())
+
     def gpu_tier_sizes(self) -> list[int]:
-        """Bytes of each GPU-tier expert on this rank (what the crash line offers to move to the host)."""
-        return self.record_bytes[self.gpu_tier].tolist()  # gpu_tier holds this rank's experts only
+        """Bytes of each GPU-tier expert (or slot) on this rank (what the crash line offers to move to the host)."""
+        if self.cache is None:
+            return self.record_bytes[self.gpu_tier].tolist()  # gpu_tier holds this rank's experts only
+        return [self.slot_bytes(layer) for layer in self.moe_layers for _ in range(self.slots(layer))]
+
+    def gpu_tier_bytes(self) -> int:
+        """GPU memory the routed experts' tier holds on this rank (slots with a cache, else the plan's experts)."""
+        return int(sum(self.gpu_tier_sizes()))
+
+    def host_tier_bytes(self) -> int:
+        """Host arena bytes this rank holds for expert records."""
+        return int(self.record_bytes[self.loads_to_host_mask()].sum())
 
     def note_loading_peak(self, device: torch.device) -> None:
         """Called as each MoE layer finishes loading, before vLLM allocates the KV cache: the highest
@@ -133,8 +171,8 @@ class ProcessPlacement:
             "ep_rank": self.rank.ep_rank,
             "dp_rank": self.dp_rank,
             "local_experts": list(self.rank.local),
-            "gpu_tier_expert_bytes": int(self.record_bytes[self.gpu_tier].sum()),
-            "host_tier_expert_bytes": int(self.record_bytes[self.host_tier].sum()),
+            "gpu_tier_expert_bytes": self.gpu_tier_bytes(),
+            "host_tier_expert_bytes": self.host_tier_bytes(),
             "loading_peak_bytes": self.loading_peak_bytes,
         }
 

@@ -25,8 +25,9 @@ class PlacedExpert:
     in_gpu_tier: bool
 
 
-def _record_layout(linear_sets: Mapping[str, Exl3Linear]) -> tuple[dict[str, int], int]:
-    """Offset of each projection's trellis inside one expert's host record (each page-aligned), and its size."""
+def record_layout(linear_sets: Mapping[str, Exl3Linear]) -> tuple[dict[str, int], int]:
+    """Offset of each projection's trellis inside one expert's host record (each page-aligned), and its size; a
+    GPU expert-cache slot (kernels/expert_slots.py) has the same layout, so a slot costs what a record does."""
     offsets, size = {}, 0
     for projection, layer in linear_sets.items():
         offsets[projection] = size
@@ -36,7 +37,7 @@ def _record_layout(linear_sets: Mapping[str, Exl3Linear]) -> tuple[dict[str, int
 
 def host_record_bytes(linear_sets: Mapping[str, Exl3Linear]) -> int:
     """Arena bytes one host-tier expert takes; an arena sized to the sum over its experts fits them exactly."""
-    return _record_layout(linear_sets)[1]
+    return record_layout(linear_sets)[1]
 
 
 def _copy_to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -58,7 +59,7 @@ def place_expert(
     else:
         if arena is None:
             raise ValueError("a host-tier expert needs a host arena to be placed into")
-        offsets, size = _record_layout(linear_sets)
+        offsets, size = record_layout(linear_sets)
         record = arena.reserve(size)
         trellises = {}
         for projection, layer in linear_sets.items():

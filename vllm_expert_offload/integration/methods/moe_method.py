@@ -7,6 +7,7 @@ profiling pass's worst-case routing, routing statistics, the expert-parallel map
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -17,8 +18,10 @@ from ...exl3.errors import Exl3FormatError
 from ...exl3.naming import PROJECTIONS
 from ...kernels import ops
 from ...kernels.contract import ExpertCrop, MoELayer
-from ...kernels.oracle import BackendUnavailable, KernelChoice, build_moe_kernel
+from ...kernels.expert_slots import ExpertSlots, expert_trellis_bytes
+from ...kernels.oracle import BackendUnavailable, KernelChoice, backend, build_moe_kernel
 from ...kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
+from ...offload.cache_policy import CacheSettings
 from ...offload.phase import profiling
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
@@ -27,21 +30,41 @@ from ..startup.crash_line import install_crash_line
 from ..startup.profiling import install_profile_flag, spread_routing
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
 from .op_targets import register_op_target
+from .rank_check import check_ranks_agree, checking_ranks
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
 COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+logger = logging.getLogger("vllm.expert_offload")
+
+
+def _cache_settings(options, kernels: KernelChoice, expert_parallel: bool) -> CacheSettings | None:
+    """The expert cache's settings where `dynamic` asks for one and the routed experts' backend writes through;
+    None (the static plan, said once in the log) where it cannot."""
+    if not options.caches:
+        return None
+    if expert_parallel:
+        raise BackendUnavailable("--additional-config expert_offload.dynamic: the expert cache decides from every "
+                                 "rank's identical top-k ids, which expert parallelism does not give; serve without "
+                                 "--enable-expert-parallel or without dynamic")
+    if not backend(kernels.moe).write_through or kernels.fallback is not None:
+        logger.warning(
+            "expert_offload.dynamic: routed experts run the %s backend, which cannot store an expert into a GPU slot "
+            "as it reads it (write-through; only the cpu backend does so far); serving the static plan", kernels.moe)
+        return None
+    return options.dynamic
 
 
 def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts | None, parallel, top_k: int,
-                       device: torch.device) -> ProcessPlacement:
+                       device: torch.device, kernels: KernelChoice) -> ProcessPlacement:
     """The quant config lives once per process, so it carries the process's placement (made at the first MoE
     layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated, against
     this rank's own GPU-tier experts."""
     if quant_config.placement is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        cache = _cache_settings(quant_config.options, kernels, parallel.use_ep)
         placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
-                                     rank, parallel.dp_rank, parallel.dp_size)
+                                     rank, parallel.dp_rank, parallel.dp_size, cache)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
         quant_config.placement = placement
@@ -126,7 +149,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.num_local_experts = num_experts
         top_k = self.moe.experts_per_token
         rank = _rank_experts(layer, parallel)
-        self.placement = _process_placement(self.quant_config, self.geometry, rank, parallel, top_k, self.device)
+        self.placement = _process_placement(self.quant_config, self.geometry, rank, parallel, top_k, self.device,
+                                            self.kernels)
         self.placed: dict[int, object] = {}
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
@@ -156,8 +180,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if any(set(store.get((local, p), {})) != expected[names[p]] for p in PROJECTIONS):
             return
         sliced = {p: self.geometry.rank_slice(store.pop((local, p)), names[p], p) for p in PROJECTIONS}
-        in_gpu_tier = self.placement.in_gpu_tier(self.layer_index, global_expert)
-        self.placed[local] = place_expert(sliced, in_gpu_tier, self.placement.arena, self.device)
+        to_gpu = self.placement.loads_to_gpu(self.layer_index, global_expert)
+        self.placed[local] = place_expert(sliced, to_gpu, self.placement.arena, self.device)
 
     def _local_to_global(self, layer: torch.nn.Module) -> list[int]:
         expert_map = layer.expert_map
@@ -188,10 +212,22 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         arena = self.placement.arena
         tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
         crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
+        self.row = self.placement.row(self.layer_index)
+        self.cache = None
+        if self.placement.cache is not None:  # the plan's GPU experts of this layer start in its slots
+            initial = [self.placement.in_gpu_tier(self.layer_index, g) for g in self._local_to_global(layer)]
+            self.cache = ExpertSlots(experts, tables, self.placement.cache, initial,
+                                     self.placement.slot_bytes(self.layer_index), self.device,
+                                     self.placement.tier_counters, self.row)
         self.kernel = build_moe_kernel(self.kernels, MoELayer(
             experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
+            cache=self.cache,
         ))
+        # What the read counters need each forward: which experts are in GPU memory now, and their sizes.
+        self.in_gpu_tier = tables.in_gpu_tier
+        self.expert_bytes = expert_trellis_bytes(experts, self.device)
+        self.check_ranks = self.cache is not None and checking_ranks()
         del self.placed
         self.placement.note_loading_peak(self.device)
         # What moe_forward needs of the layer, kept so the op's target holds no reference back to it.
@@ -206,14 +242,21 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     def moe_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording, global
-        ids mapped to this rank's (EP), then the backend."""
+        ids mapped to this rank's (EP), reads counted by tier (before the cache's step moves experts), then the
+        backend; in the rank-check debug mode, the caches of all TP ranks compared after it."""
         if profiling():  # this rank's worst case: every slot on one of its own experts, each of them used (EP too)
             local = spread_routing(topk_ids, self.num_local_experts).long()
             return self.kernel.forward(x, topk_weights, local, self.apply_router_weight_on_input)
         if self.placement.recording:
             self.placement.record(self.layer_index, topk_ids)
         if self.expert_map is not None:
-            local = self.expert_map[topk_ids.long()]
+            local = self.expert_map[topk_ids.long()]  # -1: another rank's expert, read (and counted) there
             topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+            self.placement.tier_counters.count_reads(self.row, local, self.in_gpu_tier, self.expert_bytes)
             topk_ids = local.clamp(min=0)
-        return self.kernel.forward(x, topk_weights, topk_ids.long(), self.apply_router_weight_on_input)
+        else:
+            self.placement.tier_counters.count_reads(self.row, topk_ids, self.in_gpu_tier, self.expert_bytes)
+        out = self.kernel.forward(x, topk_weights, topk_ids.long(), self.apply_router_weight_on_input)
+        if self.check_ranks:
+            check_ranks_agree(self.op_name, self.cache.state_digest())
+        return out

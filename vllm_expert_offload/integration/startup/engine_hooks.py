@@ -2,8 +2,9 @@
 
 In order: refuse bad `expert_offload` options before any engine process starts (a path that cannot be written
 fails in seconds, not after loading the model); run the readiness smoke (readiness.py) before anyone gets the
-engine; then, under `vllm serve`, save routing statistics periodically and on SIGUSR1 (stats_saver.py) while
-the server serves. Engine-core and worker processes import neither factory and are not touched.
+engine; then, under `vllm serve`, save routing statistics periodically and on SIGUSR1 (stats_saver.py) and keep
+the `vllm_expert_offload_*` metrics of /metrics current (metrics.py) while the server serves. Engine-core and
+worker processes import neither factory and are not touched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 from ...offload.options import OffloadOptions, parse_offload_options
 from ..patching import Hook, require_checked_version
+from .metrics import exporting_metrics
 from .readiness import run_async, run_sync
 from .stats_saver import saving_stats
 
@@ -46,7 +48,8 @@ def _wrap_async_builder(original: Callable) -> Callable:
         client_index = (kwargs.get("client_config") or {}).get("client_index", 0)
         async with original(engine_args, *args, **kwargs) as client:
             await run_async(client)
-            async with saving_stats(client, options, client_index):
+            async with saving_stats(client, options, client_index), \
+                    exporting_metrics(client, options.offloads, client_index):
                 yield client
 
     return build_async_engine_client_from_engine_args

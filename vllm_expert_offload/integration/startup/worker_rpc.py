@@ -5,6 +5,7 @@ object needs VLLM_ALLOW_INSECURE_SERIALIZATION once workers live in other proces
 
     llm.collective_rpc("vllm_expert_offload_save_expert_stats")            # counts so far -> record_stats file
     llm.collective_rpc("vllm_expert_offload_memory_report")               # per rank: placed bytes, loading peak
+    llm.collective_rpc("vllm_expert_offload_tier_counters")               # per rank: reads by tier, fills (/metrics)
 
 Whatever is reachable by name is reachable by anyone who reaches vLLM's dev-mode `/collective_rpc` endpoint, with
 arguments of their choosing. So the save takes no path (it writes the configured `record_stats` file and nothing
@@ -19,6 +20,7 @@ from ..patching import HookError
 END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
 MEMORY_REPORT = "vllm_expert_offload_memory_report"
+TIER_COUNTERS = "vllm_expert_offload_tier_counters"
 
 
 def _placement(worker):
@@ -61,10 +63,26 @@ def memory_report(worker) -> dict[str, int | None] | None:
     return placement.memory_report() | {"model_memory_usage": getattr(worker.model_runner, "model_memory_usage", None)}
 
 
+def tier_counters(worker) -> dict | None:
+    """This rank's per-layer read counters (offload/counters.py COLUMNS) and the bytes each tier holds, for
+    /metrics (startup/metrics.py). Runs between engine steps, like every utility call: the one device-to-host
+    copy here waits for the steps already queued, never inside a forward."""
+    placement = _placement(worker)
+    if placement is None:
+        return None
+    return {
+        "layers": list(placement.moe_layers),
+        "counts": placement.tier_counters.snapshot().tolist(),
+        "gpu_tier_bytes": placement.gpu_tier_bytes(),
+        "host_tier_bytes": placement.host_tier_bytes(),
+    }
+
+
 def install() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    methods = ((END_OF_STARTUP, end_of_startup), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report))
+    methods = ((END_OF_STARTUP, end_of_startup), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report),
+               (TIER_COUNTERS, tier_counters))
     for name, method in methods:
         existing = getattr(WorkerBase, name, None)
         if existing is not None and existing is not method:

@@ -1,0 +1,48 @@
+"""Per-layer expert-read counters kept on the device: what `/metrics` reports (integration/startup/metrics.py).
+
+Counted inside the forward with device ops only (no host sync, fixed shapes, so CUDA-graph safe); read on the
+host only between engine steps, when the API server asks (a worker RPC), never inside a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+COLUMNS = ("gpu_reads", "host_reads", "host_read_bytes", "fills", "evictions")
+GPU_READS, HOST_READS, HOST_READ_BYTES, FILLS, EVICTIONS = range(len(COLUMNS))
+
+
+class TierCounters:
+    """int64 (MoE layers, COLUMNS) on the device, rows in the model's MoE-layer order."""
+
+    def __init__(self, layers: int, device: torch.device | str) -> None:
+        self.counts = torch.zeros(layers, len(COLUMNS), dtype=torch.int64, device=device)
+
+    def count_reads(self, row: int, ids: torch.Tensor, resident: torch.Tensor, expert_bytes: torch.Tensor) -> None:
+        """One forward's token x expert reads of layer `row`, by tier (`resident`: bool (E,), in GPU memory now),
+        and the trellis bytes of the distinct host-tier experts it reads (each crosses the link once per launch
+        set; `expert_bytes`: int64 (E,)). An id of -1 (another expert-parallel rank's expert) is not counted here."""
+        ids = ids.reshape(-1).long()
+        local = ids >= 0
+        safe = ids.clamp(min=0)
+        on_gpu = resident[safe]
+        read = torch.zeros(resident.shape, dtype=torch.int64, device=ids.device).scatter_add_(0, safe, local.long()) > 0
+        host_bytes = torch.where(read & ~resident, expert_bytes, 0).sum()
+        added = torch.stack([(on_gpu & local).sum(), (~on_gpu & local).sum(), host_bytes])
+        self.counts[row, :FILLS] += added
+
+    def count_fills(self, row: int, fill_expert: torch.Tensor, evicted: torch.Tensor) -> None:
+        """The fills and evictions of one cache step (-1 entries are no-ops)."""
+        self.counts[row, FILLS:] += torch.stack([(fill_expert >= 0).sum(), (evicted >= 0).sum()])
+
+    def snapshot(self) -> np.ndarray:
+        """The counts on the host. Waits for the work queued on the device: call between engine steps only."""
+        return self.counts.cpu().numpy()
+
+
+def per_layer(snapshot: np.ndarray, layers: Sequence[int]) -> dict[int, dict[str, int]]:
+    """{model layer: {column: count}} of a snapshot."""
+    return {layer: dict(zip(COLUMNS, map(int, row))) for layer, row in zip(layers, snapshot)}
