@@ -11,6 +11,7 @@ import torch
 
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod, _rank_experts
+from vllm_expert_offload.offload.counters import GPU_READS, HOST_READS, TierCounters
 from vllm_expert_offload.offload.phase import profiling_pass
 from vllm_expert_offload.offload.rank_plan import RankExperts
 
@@ -46,7 +47,10 @@ class _Kernel:
 def _method() -> Exl3MoEMethod:
     method = Exl3MoEMethod.__new__(Exl3MoEMethod)
     method.kernel, method.expert_map, method.num_local_experts = _Kernel(), EXPERT_MAP, 4
-    method.placement = SimpleNamespace(recording=False)
+    method.placement = SimpleNamespace(recording=False, tier_counters=TierCounters(1, torch.device("cpu")))
+    method.row, method.check_ranks = 0, False
+    method.in_gpu_tier = torch.tensor([True, False, False, False])  # local expert 0 (global 4) in GPU memory
+    method.expert_bytes = torch.full((4,), 100)
     method.apply_router_weight_on_input = False
     return method
 
@@ -70,3 +74,7 @@ def test_serving_maps_global_ids_and_zeroes_other_ranks_slots() -> None:
     weights, ids = method.kernel.calls[0]
     assert ids.tolist() == [[1, 0], [0, 3]]
     assert weights.tolist() == [[pytest.approx(0.7), 0.0], [0.0, pytest.approx(0.4)]]
+    # Read counters: only this rank's two host-tier reads (global 5, 7); the other rank's ids 1 and 0 are not
+    # reads of local expert 0, which sits in the GPU tier here.
+    counts = method.placement.tier_counters.snapshot()[0]
+    assert (counts[GPU_READS], counts[HOST_READS]) == (0, 2)
