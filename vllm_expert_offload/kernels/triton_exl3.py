@@ -1,8 +1,12 @@
-"""Triton EXL3 matmul over pointer tables: C[row] = A[row] @ W_hat[matrix of row's block], decoded in place.
+"""The Triton backend (`BACKEND`), and its one-matrix-per-block matmul launcher `TRITON_MATMUL`.
 
-One kernel serves every EXL3 product of the plugin: routed experts (decode: one (token, expert) slot per
-block; prefill: slots grouped by expert, so each trellis tile is decoded once per block of tokens) and
-dense linears (a table of one matrix). Each program owns BLOCK_M rows that share one matrix and BLOCK_N
+What the backend builds: `triton_moe.FusedTritonMoE` (a MoE layer in three launches) and
+`triton_linear.FusedTritonLinear` (a dense linear in one or two), each with the rotations in-kernel.
+
+`TRITON_MATMUL` is the plain launcher of the shared glue's contract (rotated.py): C[row] = A[row] @ W_hat[matrix
+of row's block], decoded in place, with the rotations outside. The tests read W_hat back through it (bit for bit
+against the format's reference) and compare the fused kernels with the glue it computes under; the backend
+itself no longer launches it. Each program owns BLOCK_M rows that share one matrix and BLOCK_N
 output columns; it walks the input dimension in BLOCK_K steps, decoding the (BLOCK_K, BLOCK_N) piece of
 W_hat from the trellis the table entry points to (VRAM or the host arena's UVA alias alike) straight into
 a `tl.dot`. Nothing decoded is ever stored. The Hadamard rotations and suh/svh scales stay outside, in
@@ -23,8 +27,10 @@ import triton.language as tl
 from .contract import Backend
 from .launch_ops import register_table_launch
 from .matrix_table import MatrixTable
-from .rotated import MatmulBackend, rotated_linear, rotated_moe
+from .rotated import MatmulBackend
 from .triton_decode import decode_block
+from .triton_linear import fused_linear
+from .triton_moe import fused_moe
 
 
 @triton.jit
@@ -126,6 +132,6 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 BACKEND = Backend(
     name="triton", description="the Triton kernels", auto_on=("cuda",), graph_safe=True, unavailable=triton_unavailable,
-    build_moe=lambda layer: rotated_moe(layer, TRITON_MATMUL),
-    build_linear=lambda layer: rotated_linear(layer, TRITON_MATMUL),
+    build_moe=lambda layer: fused_moe(layer),
+    build_linear=lambda layer: fused_linear(layer),
 )

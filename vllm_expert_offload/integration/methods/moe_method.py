@@ -169,6 +169,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.kernel = build_moe_kernel(self.kernels, MoELayer(
             experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
+            top_k=self.moe.experts_per_token, capture_rows=self.quant_config.capture_sizes(),
         ))
         del self.placed
         self.placement.note_loading_peak(self.device)

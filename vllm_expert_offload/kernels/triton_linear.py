@@ -1,0 +1,198 @@
+"""A dense EXL3 linear (every shard of one vLLM layer) in one Triton launch, or two when its input is split.
+
+The layer's output is the concatenation, per shard, of this rank's part of the shard's 128-aligned cover,
+followed by zero padding rows (a padded vocabulary); the shards' covers are cut into 128-wide output pieces,
+listed at load in one small int64 table (`PIECE_FIELDS` per piece). A program takes BLOCK_M rows and one piece:
+the input at the shard's offset inside its cover, ⊙ suh and rotated in-kernel, multiplied by the decoded piece
+of W_hat (`triton_decode.decode_block`) over the 128-wide input pieces of its part, rotated back ⊙ svh.
+- one part (`linear_kernel` alone): the program stores the cropped piece straight into the output, cast to the
+  model's dtype; the program of a shard's first piece also zeroes the shard's padding rows;
+- several parts (decode, so that the grid fills the GPU at batch 1; `triton_fused.split_for`): each part stores
+  its fp32 partial (rotation and svh are linear), and `linear_finish_kernel` sums the parts in order
+  (deterministic), crops, pads and casts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .contract import LinearLayer
+from .launch_ops import register_launch
+from .linear import LinearShard
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS
+from .static_spec import LayerShape, StaticKernel
+from .triton_decode import decode_block
+from .triton_fused import PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, product, rotate, split_for
+
+PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
+                "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
+FINISH_BLOCK = 256
+SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up to LARGE_ROWS rows, then 64
+
+
+@triton.jit
+def linear_kernel(
+    x_ptr, stride_xm, rows, pieces_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, stride_om, partial_ptr, partial_cols,
+    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """One (BLOCK_M rows, 128-wide output piece, part of the input) product; see the module docstring."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    piece = pieces_ptr + tl.program_id(1) * 16
+    trellis = tl.load(piece + 0)
+    twice_k = tl.load(piece + 1).to(tl.int32)
+    if CODEBOOK == -1:
+        codebook = tl.load(piece + 2).to(tl.int32)
+    else:
+        codebook = CODEBOOK
+    size_k = tl.load(piece + 3)
+    size_n = tl.load(piece + 4)
+    n0 = tl.load(piece + 5)
+    in_offset = tl.load(piece + 6)
+    in_size = tl.load(piece + 7)
+    suh_at = tl.load(piece + 8)
+    part = tl.program_id(2)
+    parts = tl.num_programs(2)
+    steps = size_k // 128
+    per_part = (steps + parts - 1) // parts
+    offs = tl.arange(0, 128)
+    had = load_hadamard(had_ptr)
+    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+        k0 = step * 128
+        column = k0 + offs - in_offset  # the input column each cover column reads
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + column[None, :],
+                    mask=row_ok[:, None] & ((column >= 0) & (column < in_size))[None, :], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + suh_at + k0 + offs).to(tl.float32)
+        w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, 128, 128)
+        acc = product(acc, rotate(a, suh, had), w, DOT_FP16)
+    svh = tl.load(svh_ptr + tl.load(piece + 9) + n0 + offs).to(tl.float32)
+    y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
+    cover = n0 + offs
+    if DIRECT:
+        keep = (cover >= tl.load(piece + 11)) & (cover < tl.load(piece + 12))
+        out_col = cover + tl.load(piece + 10)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + out_col[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & keep[None, :])
+        if n0 == 0:  # the shard's zero padding rows
+            pad_lo = tl.load(piece + 13)
+            pad_hi = tl.load(piece + 14)
+            zeros = tl.zeros((BLOCK_M, 128), dtype=out_ptr.dtype.element_ty)
+            for col in range(pad_lo, pad_hi, 128):
+                pad = col + offs
+                tl.store(out_ptr + offs_m[:, None] * stride_om + pad[None, :], zeros,
+                         mask=row_ok[:, None] & (pad < pad_hi)[None, :])
+    else:
+        column = tl.load(piece + 15) + n0 + offs
+        tl.store(partial_ptr + (part * rows + offs_m[:, None]) * partial_cols + column[None, :], y,
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def linear_finish_kernel(partial_ptr, parts, rows, partial_cols, source_ptr, out_ptr, stride_om, out_features,
+                         BLOCK: tl.constexpr):
+    """out[r, o] = Σ_part partial[part, r, source[o]] in order (0 where source[o] is -1: padding), cast."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < out_features
+    source = tl.load(source_ptr + offs, mask=ok, other=-1)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for part in range(parts):
+        acc += tl.load(partial_ptr + (part * rows + row) * partial_cols + source, mask=source >= 0, other=0.0)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_linear(x, pieces, had, suh, svh, out, partial, codebook, block_m, dot_fp16):
+    rows, parts, partial_cols = x.shape[0], partial.shape[0], partial.shape[2]
+    linear_kernel[(triton.cdiv(rows, block_m), pieces.shape[0], parts)](
+        x, x.stride(0), rows, pieces, had, suh, svh, out, out.stride(0), partial, partial_cols,
+        CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
+    )
+
+
+def _launch_finish(partial, source, out):
+    parts, rows, partial_cols = partial.shape
+    linear_finish_kernel[(rows, triton.cdiv(out.shape[1], FINISH_BLOCK))](
+        partial, parts, rows, partial_cols, source, out, out.stride(0), out.shape[1], BLOCK=FINISH_BLOCK)
+
+
+_linear = register_launch(
+    "linear_triton",
+    "Tensor x, Tensor pieces, Tensor had, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int codebook, "
+    "int block_m, bool dot_fp16",
+    _launch_linear,
+)
+_finish = register_launch("linear_finish_triton", "Tensor partial, Tensor source, Tensor(a!) out", _launch_finish)
+
+
+def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[int]]:
+    """(one PIECE_FIELDS row per 128-wide piece of every cover, the partial column of each output column or -1)."""
+    pieces, source = [], []
+    suh_at = svh_at = out_base = partial_base = 0
+    for shard in shards:
+        layer = shard.layer
+        fields = dict(trellis=layer.trellis.data_ptr(), twice_k=int(2 * layer.k), codebook=CODEBOOK_IDS[layer.codebook],
+                      size_k=layer.in_features, size_n=layer.out_features, in_offset=shard.in_offset,
+                      in_size=shard.in_size, suh=suh_at, svh=svh_at, out_shift=out_base - shard.out_offset,
+                      out_lo=shard.out_offset, out_hi=shard.out_offset + shard.out_valid,
+                      pad_lo=out_base + shard.out_valid, pad_hi=out_base + shard.out_rows)
+        for n0 in range(0, layer.out_features, PIECE):
+            pieces.append([{**fields, "n0": n0, "partial_col": partial_base}[name] for name in PIECE_FIELDS])
+        source += [partial_base + shard.out_offset + i for i in range(shard.out_valid)]
+        source += [-1] * (shard.out_rows - shard.out_valid)
+        suh_at += layer.in_features
+        svh_at += layer.out_features
+        out_base += shard.out_rows
+        partial_base += layer.out_features
+    return pieces, source
+
+
+class FusedTritonLinear:
+    """Dense shards through `linear_kernel` (and `linear_finish_kernel` when the input is split)."""
+
+    def __init__(self, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device,
+                 capture_rows: tuple[int, ...] = (), split: int | None = None) -> None:
+        self.shards = [shard.to(device) for shard in shards]  # owned: the piece table holds their addresses
+        pieces, source = _piece_table(self.shards)
+        self.pieces = torch.tensor(pieces, dtype=torch.int64, device=device)
+        self.source = torch.tensor(source, dtype=torch.int32, device=device)
+        self.suh = torch.cat([s.layer.suh for s in self.shards]).to(device)
+        self.svh = torch.cat([s.layer.svh for s in self.shards]).to(device)
+        codebooks = {CODEBOOK_IDS[s.layer.codebook] for s in self.shards}
+        self.codebook = codebooks.pop() if len(codebooks) == 1 else MIXED_CODEBOOKS
+        self.out_features = len(source)
+        self.partial_cols = sum(s.layer.out_features for s in self.shards)
+        self.had = hadamard(device)
+        self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
+        self.device = device
+        steps = max(s.layer.in_features for s in self.shards) // PIECE
+        self.split = split or split_for(steps, len(pieces), fill_target(device))  # at up to SMALL_BLOCK_M rows
+        self.no_partial = torch.zeros(1, 1, 1, device=device)  # what the one-part launch is handed, unread
+        if self.split > 1:
+            WORKSPACES.reserve(device, "linear_partial", self.split * SMALL_BLOCK_M * self.partial_cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W of every shard, concatenated, without bias."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        count = rows.shape[0]
+        block_m = SMALL_BLOCK_M if count <= LARGE_ROWS else LARGE_BLOCK_M
+        parts = self.split if count <= SMALL_BLOCK_M else 1
+        out = torch.empty(count, self.out_features, dtype=x.dtype, device=x.device)
+        if parts == 1:
+            partial = self.no_partial
+        else:
+            partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
+        _linear(rows, self.pieces, self.had, self.suh, self.svh, out, partial, self.codebook, block_m, self.dot_fp16)
+        if parts > 1:
+            _finish(partial, self.source, out)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
+    return FusedTritonLinear(layer.shards, layer.dtype, layer.device, layer.capture_rows)
