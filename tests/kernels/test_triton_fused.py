@@ -177,7 +177,7 @@ def _shards() -> list[LinearShard]:
     """As test_exl3_kernels.py: q with this rank's part at an offset inside its cover and zero padding rows, k
     plain; the input at an offset in its cover."""
     q = parse_linear(make_layer(3, "mul1", 256, 256, seed=5), "q")
-    k = parse_linear(make_layer(2.5, "mcg", 256, 128, seed=6), "k")
+    k = parse_linear(make_layer(2, "mcg", 256, 128, seed=6), "k")
     return [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
 
 
@@ -288,6 +288,7 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatc
 def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int) -> None:
     _, fused, _ = placed_moe(FULL, _builder((2, 2)))
     x, weights, ids = routing(tokens, seed=tokens)
+    linear, rows = _fused_linear(2), torch.randn(tokens, 144)
     with NoHostSync():
         fused.forward(x, weights, ids, False)
-        _fused_linear(2).forward(torch.randn(tokens, 144))
+        linear.forward(rows)

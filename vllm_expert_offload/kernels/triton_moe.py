@@ -123,8 +123,9 @@ def moe_gate_up_kernel(
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
         acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-        for step in range(steps):
-            k0 = (part * steps + step) * 128
+        per_part = tl.cdiv(steps, tl.num_programs(2))
+        for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+            k0 = step * 128
             offs_k = k0 + offs
             a = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
                         mask=row_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)
@@ -161,8 +162,9 @@ def moe_down_kernel(
         offs = tl.arange(0, 128)
         had = load_hadamard(had_ptr)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-        for step in range(steps):
-            k0 = (part * steps + step) * 128
+        per_part = tl.cdiv(steps, tl.num_programs(2))
+        for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+            k0 = step * 128
             offs_k = k0 + offs
             gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
@@ -217,7 +219,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up,
         num_slots, row_ids, block_matrix, had, suh_gate, suh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
-        size_k, size_n, size_k // PIECE // parts, partial,
+        size_k, size_n, size_k // PIECE, partial,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
         FILL=fill,
@@ -235,7 +237,7 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
         0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
-        down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE // parts, out,
+        down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, CLAMP=swiglu_limit is not None,
         FILL=fill,
