@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..exl3.hadamard import HADAMARD_BLOCK, hadamard_128
+from .triton_decode import decode_block
 
 PIECE = HADAMARD_BLOCK  # BLOCK_K = BLOCK_N of every fused kernel
 
@@ -33,6 +34,12 @@ def load_hadamard(had_ptr):
 
 
 @triton.jit
+def load_hadamard_half(had_ptr, half):
+    """Columns 64·half .. 64·half + 63 of H: (128, 64)."""
+    return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + 64 * half + tl.arange(0, 64)[None, :])
+
+
+@triton.jit
 def rotate(a, scale, had):
     """had(a ⊙ scale) over one 128-wide piece: a (M, 128) fp32, scale (128,) fp32 -> (M, 128) fp32."""
     return tl.dot(a * scale[None, :], had, input_precision="ieee")
@@ -46,6 +53,19 @@ def product(acc, a, w, DOT_FP16: tl.constexpr):
     else:
         acc += tl.dot(a, w.to(tl.float32), input_precision="ieee")
     return acc
+
+
+@triton.jit
+def rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
+    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128] for one 128-wide input piece a (M, 128) fp32.
+
+    Computed as two 64-row halves of the piece (rotated input columns 0-63 against weight rows k0..k0+63, then
+    the rest), so one decode holds 64 x 128 weights: half the registers of a whole piece."""
+    scaled = a * scale[None, :]
+    w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, 64, 128)
+    acc = product(acc, tl.dot(scaled, had_lo, input_precision="ieee"), w, DOT_FP16)
+    w = decode_block(trellis, k0 + 64, n0, size_n, twice_k, codebook, 64, 128)
+    return product(acc, tl.dot(scaled, had_hi, input_precision="ieee"), w, DOT_FP16)
 
 
 @triton.jit

@@ -46,15 +46,15 @@ from .launch_ops import register_launch
 from .matrix_table import MatrixTable, matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_decode import decode_block
-from .triton_fused import (PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, product, rotate, split_for,
-                           write_through)
+from .triton_fused import (PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
+                           rotated_product, split_for, write_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
 DECODE_BLOCK_M = 16  # tl.dot's minimum
 PREFILL_BLOCK_M = 64
 SUM_BLOCK = 256  # output columns per program of the sum kernel
+MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) product: 64 decoded weights per thread and step
 
 
 @triton.jit
@@ -85,9 +85,9 @@ def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, bl
 
 
 @triton.jit
-def _decode_piece(trellis_table, twice_k_table, codebook_table, fill_table, matrix, k0, n0, size_n, write,
-                  CODEBOOK: tl.constexpr, FILL: tl.constexpr):
-    """W_hat[k0:+128, n0:+128] of `matrix` in a table; copied to its fill buffer first when `write` and it has one."""
+def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, CODEBOOK: tl.constexpr,
+            FILL: tl.constexpr):
+    """(trellis address, 2K, codebook, fill address or 0) of `matrix` in a table."""
     trellis = tl.load(trellis_table + matrix)
     twice_k = tl.load(twice_k_table + matrix)
     if CODEBOOK == -1:
@@ -96,9 +96,20 @@ def _decode_piece(trellis_table, twice_k_table, codebook_table, fill_table, matr
         codebook = CODEBOOK
     if FILL:
         fill = tl.load(fill_table + matrix)
+    else:
+        fill = 0
+    return trellis, twice_k, codebook, fill
+
+
+@triton.jit
+def _piece_product(acc, a, scale, had_lo, had_hi, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
+                   DOT_FP16: tl.constexpr, FILL: tl.constexpr):
+    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128]; the piece's trellis words copied to `fill` first when
+    this program writes through and the matrix has a fill address."""
+    if FILL:
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
-    return decode_block(trellis, k0, n0, size_n, twice_k, codebook, 128, 128)
+    return rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
 
 
 @triton.jit
@@ -119,8 +130,13 @@ def moe_gate_up_kernel(
         part = tl.program_id(2)
         offs = tl.arange(0, 128)
         tokens = rows // TOP_K
-        had = load_hadamard(had_ptr)
+        had_lo = load_hadamard_half(had_ptr, 0)
+        had_hi = load_hadamard_half(had_ptr, 1)
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
+        g_trellis, g_twice_k, g_codebook, g_fill = _matrix(gate_trellis, gate_twice_k, gate_codebook, gate_fill,
+                                                           matrix, CODEBOOK_GATE, FILL)
+        u_trellis, u_twice_k, u_codebook, u_fill = _matrix(up_trellis, up_twice_k, up_codebook, up_fill, matrix,
+                                                           CODEBOOK_UP, FILL)
         acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         per_part = tl.cdiv(steps, tl.num_programs(2))
@@ -131,14 +147,12 @@ def moe_gate_up_kernel(
                         mask=row_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)
             if ROUTE_ON_INPUT:
                 a = a * route.to(tl.float32)[:, None]
-            suh_gate = tl.load(suh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)
-            suh_up = tl.load(suh_up_ptr + matrix * size_k + offs_k).to(tl.float32)
-            w = _decode_piece(gate_trellis, gate_twice_k, gate_codebook, gate_fill, matrix, k0, n0, size_n, first,
-                              CODEBOOK_GATE, FILL)
-            acc_gate = product(acc_gate, rotate(a, suh_gate, had), w, DOT_FP16)
-            w = _decode_piece(up_trellis, up_twice_k, up_codebook, up_fill, matrix, k0, n0, size_n, first,
-                              CODEBOOK_UP, FILL)
-            acc_up = product(acc_up, rotate(a, suh_up, had), w, DOT_FP16)
+            suh = tl.load(suh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)
+            acc_gate = _piece_product(acc_gate, a, suh, had_lo, had_hi, g_trellis, g_twice_k, g_codebook, g_fill, k0,
+                                      n0, size_n, first, DOT_FP16, FILL)
+            suh = tl.load(suh_up_ptr + matrix * size_k + offs_k).to(tl.float32)
+            acc_up = _piece_product(acc_up, a, suh, had_lo, had_hi, u_trellis, u_twice_k, u_codebook, u_fill, k0, n0,
+                                    size_n, first, DOT_FP16, FILL)
         out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + n0 + offs[None, :]
         tl.store(out, acc_gate, mask=row_ok[:, None])
         tl.store(out + num_slots * size_n, acc_up, mask=row_ok[:, None])
@@ -161,6 +175,10 @@ def moe_down_kernel(
         part = tl.program_id(2)
         offs = tl.arange(0, 128)
         had = load_hadamard(had_ptr)
+        had_lo = load_hadamard_half(had_ptr, 0)
+        had_hi = load_hadamard_half(had_ptr, 1)
+        d_trellis, d_twice_k, d_codebook, d_fill = _matrix(down_trellis, down_twice_k, down_codebook, down_fill,
+                                                           matrix, CODEBOOK, FILL)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
@@ -172,17 +190,17 @@ def moe_down_kernel(
                 where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k + offs_k[None, :]
                 gate += tl.load(where, mask=row_ok[:, None], other=0.0)
                 up += tl.load(where + num_slots * size_k, mask=row_ok[:, None], other=0.0)
-            ones = tl.full((128,), 1.0, tl.float32)
-            gate = rotate(gate, ones, had) * tl.load(svh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)[None, :]
-            up = rotate(up, ones, had) * tl.load(svh_up_ptr + matrix * size_k + offs_k).to(tl.float32)[None, :]
+            gate = tl.dot(gate, had, input_precision="ieee") * tl.load(svh_gate_ptr + matrix * size_k + offs_k).to(
+                tl.float32)[None, :]
+            up = tl.dot(up, had, input_precision="ieee") * tl.load(svh_up_ptr + matrix * size_k + offs_k).to(
+                tl.float32)[None, :]
             if CLAMP:
                 gate = tl.minimum(gate, swiglu_limit)
                 up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
             act = gate * tl.sigmoid(gate) * up * tl.load(keep_ptr + offs_k)[None, :]
             suh = tl.load(suh_down_ptr + matrix * size_k + offs_k).to(tl.float32)
-            w = _decode_piece(down_trellis, down_twice_k, down_codebook, down_fill, matrix, k0, n0, size_n, first,
-                              CODEBOOK, FILL)
-            acc = product(acc, rotate(act, suh, had), w, DOT_FP16)
+            acc = _piece_product(acc, act, suh, had_lo, had_hi, d_trellis, d_twice_k, d_codebook, d_fill, k0, n0,
+                                 size_n, first, DOT_FP16, FILL)
         svh = tl.load(svh_down_ptr + matrix * size_n + n0 + offs).to(tl.float32)
         y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
         if not ROUTE_ON_INPUT:
@@ -222,7 +240,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up,
         size_k, size_n, size_k // PIECE, partial,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        FILL=fill,
+        FILL=fill, num_warps=MATMUL_WARPS,
     )
 
 
@@ -240,7 +258,7 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_
         down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, CLAMP=swiglu_limit is not None,
-        FILL=fill,
+        FILL=fill, num_warps=MATMUL_WARPS,
     )
 
 
@@ -356,3 +374,47 @@ class FusedTritonMoE:
 def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None) -> FusedTritonMoE:
     return FusedTritonMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.dtype,
                           layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split)
+
+
+_TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+_CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
+    dtype at decode (1 token: one program per slot, BLOCK_M 16) and at prefill (64-row blocks) for fp16, and
+    the sum kernel."""
+    codebook = _CODEBOOK_IDS[shape.codebook]
+    routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
+               "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32",
+               "had_ptr": "*fp32"}
+    table = {"trellis": "*i64", "twice_k": "*i32", "codebook": "*i32", "fill": "*i64"}
+    kernels = []
+    for dtype, pointer in _TRITON_DTYPES.items():
+        for mode, dedup, block_m in (("decode", True, DECODE_BLOCK_M), ("prefill", False, PREFILL_BLOCK_M)):
+            if mode == "prefill" and dtype != "fp16":
+                continue
+            flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=block_m,
+                         SLOTS_P2=triton.next_power_of_2(shape.top_k) if dedup else 1, DOT_FP16=dtype != "fp32",
+                         ROUTE_ON_INPUT=False, FILL=False)
+            gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
+                       "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16",
+                       **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
+                       "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32"}
+            kernels.append(StaticKernel(
+                f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
+                {**flags, "CODEBOOK_GATE": codebook, "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3,
+                2 * PIECE * PIECE, dtype))
+            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "svh_gate_ptr": "*fp16",
+                    "svh_up_ptr": "*fp16", "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
+                    "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
+                    "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
+            kernels.append(StaticKernel(
+                f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
+                {**flags, "CODEBOOK": codebook, "CLAMP": False}, MATMUL_WARPS, 3, PIECE * PIECE, dtype))
+        kernels.append(StaticKernel(
+            f"moe_sum[{dtype}]", moe_sum_kernel,
+            {"y_ptr": "*fp32", "parts": "i32", "num_slots": "i32", "size_n": "i32", "hidden": "i32",
+             "out_ptr": pointer, "stride_om": "i32"},
+            {"TOP_K": shape.top_k, "BLOCK": SUM_BLOCK}, 4, 3, 0, dtype))
+    return kernels
