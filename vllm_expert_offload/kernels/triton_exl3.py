@@ -22,8 +22,9 @@ import triton.language as tl
 
 from .contract import Backend
 from .launch_ops import register_table_launch
-from .matrix_table import MatrixTable
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
+from .static_spec import LayerShape, StaticKernel
 from .triton_decode import decode_block
 
 
@@ -99,6 +100,32 @@ def _exl3_matmul_grid(
 # The kernel launch alone is an op (launch_ops.py): the checks above stay in the glue, which the no-sync proof
 # runs on the meta device.
 _launch_kernel = register_table_launch("exl3_matmul_triton", _exl3_matmul_grid)
+
+
+_SIGNATURE = {
+    "a_ptr": "*fp16", "stride_am": "i32", "c_ptr": "*fp32", "stride_cm": "i32", "row_ids_ptr": "*i32",
+    "block_matrix_ptr": "*i32", "trellis_table_ptr": "*i64", "twice_k_table_ptr": "*i32", "codebook_table_ptr": "*i32",
+    "size_k": "i32", "size_n": "i32",
+}
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """Every variant of `exl3_matmul_kernel` the backend launches (kernels/static_spec.py): each codebook as a
+    constexpr and the mixed-table one, with fp16 products (fp16 and bf16 models: bf16 inputs are rounded to fp16)
+    and exact fp32 ones (fp32 models). Sizes are runtime arguments, so `shape` changes nothing here."""
+    codebooks = {cb.value: cid for cb, cid in CODEBOOK_IDS.items()} | {"mixed": MIXED_CODEBOOKS}
+    kernels = []
+    for dtype, dot_fp16 in (("fp16", True), ("fp32", False)):
+        for name, cid in codebooks.items():
+            kernels.append(StaticKernel(
+                name=f"exl3_matmul[{name},{dtype}]", fn=exl3_matmul_kernel,
+                signature=_SIGNATURE | {"a_ptr": f"*{dtype}"},
+                constexprs={"CODEBOOK": cid, "DOT_FP16": dot_fp16, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+                            "BLOCK_K": BLOCK_K},
+                num_warps=4, num_stages=3, weights_per_iteration=BLOCK_K * BLOCK_N, dtype=dtype,
+                trellis_arg="trellis_table_ptr",
+            ))
+    return kernels
 
 
 def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
