@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .contract import Backend
 from .launch_ops import register_table_launch
-from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MatrixTable
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTable
 from .rotated import MatmulBackend, rotated_linear, rotated_moe
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import decode_block
@@ -34,7 +34,7 @@ def exl3_matmul_kernel(
     row_ids_ptr, block_matrix_ptr,
     trellis_table_ptr, twice_k_table_ptr, codebook_table_ptr,
     size_k, size_n,
-    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr,
+    CODEBOOK: tl.constexpr, TWICE_K: tl.constexpr, DOT_FP16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -43,7 +43,10 @@ def exl3_matmul_kernel(
         rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = rows >= 0
         trellis = tl.load(trellis_table_ptr + matrix)
-        twice_k = tl.load(twice_k_table_ptr + matrix)
+        if TWICE_K == 0:
+            twice_k = tl.load(twice_k_table_ptr + matrix)
+        else:
+            twice_k = TWICE_K
         if CODEBOOK == -1:
             codebook = tl.load(codebook_table_ptr + matrix)
         else:
@@ -92,7 +95,7 @@ def _exl3_matmul_grid(
     exl3_matmul_kernel[grid](
         a, a.stride(0), out, out.stride(0), row_ids, block_matrix,
         table.trellis, table.twice_k, table.codebook, table.in_features, table.out_features,
-        CODEBOOK=table.uniform_codebook, DOT_FP16=a.dtype == torch.float16,
+        CODEBOOK=table.uniform_codebook, TWICE_K=table.uniform_twice_k, DOT_FP16=a.dtype == torch.float16,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
 
@@ -110,22 +113,24 @@ _SIGNATURE = {
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
-    """Every variant of `exl3_matmul_kernel` the backend launches (kernels/static_spec.py): each codebook as a
-    constexpr and the mixed-table one, with fp16 products (fp16 and bf16 models: bf16 inputs are rounded to fp16)
-    and exact fp32 ones (fp32 models). Sizes are runtime arguments, so `shape` changes nothing here."""
+    """Every variant of `exl3_matmul_kernel` the backend launches for `shape`'s K (kernels/static_spec.py): each
+    codebook as a constexpr and the mixed-table one, with fp16 products (fp16 and bf16 models: bf16 inputs are
+    rounded to fp16) and exact fp32 ones (fp32 models); and the mixed-K one (MUL1 and mixed codebooks, fp16),
+    which holds every rate's branch in its loop. Sizes are runtime arguments."""
     codebooks = {cb.value: cid for cb, cid in CODEBOOK_IDS.items()} | {"mixed": MIXED_CODEBOOKS}
-    kernels = []
-    for dtype, dot_fp16 in (("fp16", True), ("fp32", False)):
-        for name, cid in codebooks.items():
-            kernels.append(StaticKernel(
-                name=f"exl3_matmul[{name},{dtype}]", fn=exl3_matmul_kernel,
-                signature=_SIGNATURE | {"a_ptr": f"*{dtype}"},
-                constexprs={"CODEBOOK": cid, "DOT_FP16": dot_fp16, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-                            "BLOCK_K": BLOCK_K},
-                num_warps=4, num_stages=3, weights_per_iteration=BLOCK_K * BLOCK_N, dtype=dtype,
-                trellis_arg="trellis_table_ptr",
-            ))
-    return kernels
+    variants = [(f"{name},{dtype}", cid, int(2 * shape.k_bits), dtype)
+                for dtype in ("fp16", "fp32") for name, cid in codebooks.items()]
+    variants += [(f"{name},mixed-k,fp16", codebooks[name], MIXED_RATES, "fp16") for name in ("mul1", "mixed")]
+    return [
+        StaticKernel(
+            name=f"exl3_matmul[{label}]", fn=exl3_matmul_kernel, signature=_SIGNATURE | {"a_ptr": f"*{dtype}"},
+            constexprs={"CODEBOOK": cid, "TWICE_K": twice_k, "DOT_FP16": dtype == "fp16", "BLOCK_M": BLOCK_M,
+                        "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
+            num_warps=4, num_stages=3, weights_per_iteration=BLOCK_K * BLOCK_N, dtype=dtype,
+            trellis_arg="trellis_table_ptr",
+        )
+        for label, cid, twice_k, dtype in variants
+    ]
 
 
 def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:

@@ -32,7 +32,8 @@ class Instruction:
     opcode: str
     defs: tuple[str, ...]  # registers written
     uses: tuple[str, ...]  # registers read (for a load: the address's)
-    address: str  # the text inside [...], if any
+    address: str  # the text inside [...], if any (cp.async: the global source's)
+    operands: str
 
 
 def _statements(ptx_lines: list[str], start: int = 0) -> list[tuple[int, str]]:
@@ -54,7 +55,8 @@ def _parse(ptx_lines: list[str]) -> list[Instruction]:
         if not m:
             continue
         opcode, operands = m.groups()
-        address = re.search(r"\[([^\]]*)\]", operands)
+        brackets = re.findall(r"\[([^\]]*)\]", operands)
+        address = brackets[-1] if opcode.startswith("cp.async") and brackets else (brackets[0] if brackets else "")
         if opcode.startswith(("st.", "bra", "bar", "ret", "red.", "prefetch", "fence", "membar", "cp.async", "exit")):
             defs, uses = (), tuple(_REGISTER.findall(operands))
         else:
@@ -62,20 +64,27 @@ def _parse(ptx_lines: list[str]) -> list[Instruction]:
             if head.strip().startswith("{"):  # vector destination: { %r1, %r2 }
                 head, _, rest = operands.partition("}")
             defs, uses = tuple(_REGISTER.findall(head)), tuple(_REGISTER.findall(rest))
-        out.append(Instruction(i, opcode, defs, uses, address.group(1) if address else ""))
+        out.append(Instruction(i, opcode, defs, uses, address, operands))
     return out
 
 
 def _is_global_load(ins: Instruction) -> bool:
+    """ld from global (generic addresses included) or cp.async from global into shared memory (pipelined loads)."""
+    if ins.opcode.startswith("cp.async") and ".global" in ins.opcode:
+        return True
     return ins.opcode.startswith("ld.") and not any(s in ins.opcode for s in (".param", ".shared", ".local", ".const"))
 
 
-def load_bits(opcode: str) -> int:
-    """Bits one lane reads with a load opcode, e.g. ld.global.v4.b32 -> 128, ld.global.nc.b16 -> 16."""
-    width = _WIDTH.search(opcode)
+def load_bits(ins: Instruction) -> int:
+    """Bits one lane reads with a load, e.g. ld.global.v4.b32 -> 128, ld.global.nc.b16 -> 16, cp.async of 4 bytes
+    -> 32."""
+    if ins.opcode.startswith("cp.async"):
+        size = ins.operands.split(",")[2].strip()
+        return 8 * int(size, 0)
+    width = _WIDTH.search(ins.opcode)
     if width is None:
-        raise ValueError(f"no access width in {opcode!r}")
-    vector = _VECTOR.search(opcode)
+        raise ValueError(f"no access width in {ins.opcode!r}")
+    vector = _VECTOR.search(ins.opcode)
     return int(width.group(1)) * (int(vector.group(1)) if vector else 1)
 
 

@@ -104,7 +104,7 @@ def analyse(kernel: StaticKernel, capability: int, decode_marker: str = "triton_
     return {
         **ptxas_usage(compiled),
         "shared_bytes": compiled.shared_bytes,
-        "trellis_load_bits": min(ptx_analysis.load_bits(ld.opcode) for ld in loads),
+        "trellis_load_bits": min(ptx_analysis.load_bits(ld) for ld in loads),
         "ptx_per_weight": round(ptx_analysis.decode_loop_ptx_instructions(compiled.ptx, loads) / weights_per_thread, 2),
         "sass_per_weight": None if sass_loop is None else round(sass_loop / weights_per_thread, 2),
         "num_warps": kernel.num_warps,
