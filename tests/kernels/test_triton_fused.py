@@ -19,8 +19,8 @@ from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
 from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE, _block_rows, fused_moe
+from vllm_expert_offload.tools.launch_census import count_launches
 
-from support.launch_census import count_launches
 from support.layers import make_layer
 from support.meta_proof import (
     BAD_PATTERNS,
@@ -149,11 +149,12 @@ def test_moe_forward_launches(tokens: int, most: int) -> None:
     """Up to 64 tokens the three kernels and nothing else (no torch op at all); above, a fixed set of sorting
     ops beside them (the same count whatever the batch: counted at 65 and 300)."""
     _, fused, _ = placed_moe(FULL, _builder((2, 2)))
-    counts = count_launches(fused.forward, *routing(tokens, seed=tokens), False)
+    inputs, prefill = routing(tokens, seed=tokens), routing(300, seed=3)
+    counts = count_launches(lambda: fused.forward(*inputs, False))
     assert sum(counts.values()) <= most, counts
-    assert [counts[f"triton:{k}"] for k in ("moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel")] == [1, 1, 1]
+    assert [counts[f"triton::{k}"] for k in ("moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel")] == [1, 1, 1]
     if tokens > 64:
-        assert counts == count_launches(fused.forward, *routing(300, seed=3), False)
+        assert counts == count_launches(lambda: fused.forward(*prefill, False))
 
 
 def test_launch_census_counts_the_shared_glue() -> None:
@@ -161,12 +162,14 @@ def test_launch_census_counts_the_shared_glue() -> None:
     from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 
     _, glue, _ = placed_moe(FULL, TRITON_MATMUL)
-    assert sum(count_launches(glue.forward, *routing(1, seed=1), False).values()) > 20
+    inputs = routing(1, seed=1)
+    assert sum(count_launches(lambda: glue.forward(*inputs, False)).values()) > 20
 
 
 @pytest.mark.parametrize(("split", "rows", "launches"), [(1, 1, 1), (2, 1, 2), (2, 33, 1)])
 def test_dense_linear_launches(split: int, rows: int, launches: int) -> None:
-    counts = count_launches(_fused_linear(split).forward, torch.randn(rows, 144))
+    linear, x = _fused_linear(split), torch.randn(rows, 144)
+    counts = count_launches(lambda: linear.forward(x))
     assert sum(counts.values()) == launches, counts
 
 

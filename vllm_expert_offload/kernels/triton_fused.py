@@ -20,6 +20,7 @@ from ..exl3.hadamard import HADAMARD_BLOCK, hadamard_128
 from .triton_decode import decode_block
 
 PIECE = HADAMARD_BLOCK  # BLOCK_K = BLOCK_N of every fused kernel
+MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) piece product: 64 decoded weights per thread and piece
 
 
 def hadamard(device: torch.device) -> torch.Tensor:
@@ -37,12 +38,6 @@ def load_hadamard(had_ptr):
 def load_hadamard_half(had_ptr, half):
     """Columns 64·half .. 64·half + 63 of H: (128, 64)."""
     return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + 64 * half + tl.arange(0, 64)[None, :])
-
-
-@triton.jit
-def rotate(a, scale, had):
-    """had(a ⊙ scale) over one 128-wide piece: a (M, 128) fp32, scale (128,) fp32 -> (M, 128) fp32."""
-    return tl.dot(a * scale[None, :], had, input_precision="ieee")
 
 
 @triton.jit

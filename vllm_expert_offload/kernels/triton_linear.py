@@ -23,13 +23,14 @@ import triton.language as tl
 from .contract import LinearLayer
 from .launch_ops import register_launch
 from .linear import LinearShard
-from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
 from .static_spec import LayerShape, StaticKernel
-from .triton_decode import decode_block
-from .triton_fused import PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, product, rotate, split_for
+from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard,
+                           load_hadamard_half, rotated_product, split_for)
 
 PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
+CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}
 FINISH_BLOCK = 256
 SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up to LARGE_ROWS rows, then 64
 
@@ -37,14 +38,18 @@ SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up
 @triton.jit
 def linear_kernel(
     x_ptr, stride_xm, rows, pieces_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, stride_om, partial_ptr, partial_cols,
-    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """One (BLOCK_M rows, 128-wide output piece, part of the input) product; see the module docstring."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
     piece = pieces_ptr + tl.program_id(1) * 16
     trellis = tl.load(piece + 0)
-    twice_k = tl.load(piece + 1).to(tl.int32)
+    if TWICE_K == 0:
+        twice_k = tl.load(piece + 1).to(tl.int32)
+    else:
+        twice_k = TWICE_K
     if CODEBOOK == -1:
         codebook = tl.load(piece + 2).to(tl.int32)
     else:
@@ -61,6 +66,8 @@ def linear_kernel(
     per_part = (steps + parts - 1) // parts
     offs = tl.arange(0, 128)
     had = load_hadamard(had_ptr)
+    had_lo = load_hadamard_half(had_ptr, 0)
+    had_hi = load_hadamard_half(had_ptr, 1)
     acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
         k0 = step * 128
@@ -68,8 +75,7 @@ def linear_kernel(
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + column[None, :],
                     mask=row_ok[:, None] & ((column >= 0) & (column < in_size))[None, :], other=0.0).to(tl.float32)
         suh = tl.load(suh_ptr + suh_at + k0 + offs).to(tl.float32)
-        w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, 128, 128)
-        acc = product(acc, rotate(a, suh, had), w, DOT_FP16)
+        acc = rotated_product(acc, a, suh, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
     svh = tl.load(svh_ptr + tl.load(piece + 9) + n0 + offs).to(tl.float32)
     y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
     cover = n0 + offs
@@ -106,11 +112,12 @@ def linear_finish_kernel(partial_ptr, parts, rows, partial_cols, source_ptr, out
     tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_linear(x, pieces, had, suh, svh, out, partial, codebook, block_m, dot_fp16):
+def _launch_linear(x, pieces, had, suh, svh, out, partial, twice_k, codebook, block_m, dot_fp16):
     rows, parts, partial_cols = x.shape[0], partial.shape[0], partial.shape[2]
     linear_kernel[(triton.cdiv(rows, block_m), pieces.shape[0], parts)](
         x, x.stride(0), rows, pieces, had, suh, svh, out, out.stride(0), partial, partial_cols,
-        CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
+        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
+        num_warps=MATMUL_WARPS,
     )
 
 
@@ -122,8 +129,8 @@ def _launch_finish(partial, source, out):
 
 _linear = register_launch(
     "linear_triton",
-    "Tensor x, Tensor pieces, Tensor had, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int codebook, "
-    "int block_m, bool dot_fp16",
+    "Tensor x, Tensor pieces, Tensor had, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int twice_k, "
+    "int codebook, int block_m, bool dot_fp16",
     _launch_linear,
 )
 _finish = register_launch("linear_finish_triton", "Tensor partial, Tensor source, Tensor(a!) out", _launch_finish)
@@ -164,6 +171,8 @@ class FusedTritonLinear:
         self.svh = torch.cat([s.layer.svh for s in self.shards]).to(device)
         codebooks = {CODEBOOK_IDS[s.layer.codebook] for s in self.shards}
         self.codebook = codebooks.pop() if len(codebooks) == 1 else MIXED_CODEBOOKS
+        rates = {int(2 * s.layer.k) for s in self.shards}
+        self.twice_k = rates.pop() if len(rates) == 1 else MIXED_RATES
         self.out_features = len(source)
         self.partial_cols = sum(s.layer.out_features for s in self.shards)
         self.had = hadamard(device)
@@ -188,7 +197,8 @@ class FusedTritonLinear:
             partial = self.no_partial
         else:
             partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
-        _linear(rows, self.pieces, self.had, self.suh, self.svh, out, partial, self.codebook, block_m, self.dot_fp16)
+        _linear(rows, self.pieces, self.had, self.suh, self.svh, out, partial, self.twice_k, self.codebook, block_m,
+                self.dot_fp16)
         if parts > 1:
             _finish(partial, self.source, out)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -196,3 +206,22 @@ class FusedTritonLinear:
 
 def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
     return FusedTritonLinear(layer.shards, layer.dtype, layer.device, layer.capture_rows)
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
+    the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook.
+    (The finish kernel reads no trellis.)"""
+    signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64", "had_ptr": "*fp32",
+                 "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
+                 "partial_ptr": "*fp32", "partial_cols": "i32"}
+    return [
+        StaticKernel(
+            f"linear[{shape.codebook},{dtype},{'direct' if direct else 'split'}]", linear_kernel,
+            signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+            {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
+             "DOT_FP16": dtype != "fp32", "BLOCK_M": SMALL_BLOCK_M, "DIRECT": direct},
+            MATMUL_WARPS, 3, PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
+        )
+        for dtype in ("fp16", "bf16", "fp32") for direct in (True, False)
+    ]

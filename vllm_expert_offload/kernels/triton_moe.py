@@ -21,8 +21,8 @@ is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
 3. `moe_sum_kernel`: each token's slots (and parts) summed in a fixed order (deterministic), cast to the
    model's dtype.
 Up to `DECODE_MAX_TOKENS` tokens the kernels split the input dimension of gate/up and of down so that the grid
-fills the GPU at batch 1 (`triton_fused.split_for`); larger batches never split. Workspaces come from `triton_fused.WORKSPACES`, reserved
-when the layer is built for its largest captured batch.
+fills the GPU at batch 1 (`triton_fused.split_for`); larger batches never split. Workspaces come from
+`triton_fused.WORKSPACES`, reserved when the layer is built for its largest captured batch.
 
 Write-through (issue #26's expert cache): `fill` tables, one int64 per expert per projection (0 = none, else
 the address of a buffer with the same trellis layout). With a fill table, every trellis word the kernels read
@@ -43,10 +43,10 @@ from ..offload.tiers import PlacedExpert
 from .contract import ExpertCrop, MoELayer
 from .expert_blocks import grouped_blocks
 from .launch_ops import register_launch
-from .matrix_table import MatrixTable, matrix_table
+from .matrix_table import matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_fused import (PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
+from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
                            rotated_product, split_for, write_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
@@ -54,7 +54,6 @@ DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gather
 DECODE_BLOCK_M = 16  # tl.dot's minimum
 PREFILL_BLOCK_M = 64
 SUM_BLOCK = 256  # output columns per program of the sum kernel
-MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) product: 64 decoded weights per thread and step
 
 
 @triton.jit
@@ -85,28 +84,23 @@ def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, bl
 
 
 @triton.jit
-def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, CODEBOOK: tl.constexpr,
-            FILL: tl.constexpr):
-    """(trellis address, 2K, codebook, fill address or 0) of `matrix` in a table."""
+def _piece_product(acc, a, scale, had_lo, had_hi, trellis_table, twice_k_table, codebook_table, fill_table, matrix,
+                   k0, n0, size_n, write, TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr,
+                   FILL: tl.constexpr):
+    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128] of `matrix` in a table (2K and codebook constexprs when the
+    table is uniform, else read per matrix); the piece's trellis words copied to the matrix's fill address first
+    when this program writes through and there is one."""
     trellis = tl.load(trellis_table + matrix)
-    twice_k = tl.load(twice_k_table + matrix)
+    if TWICE_K == 0:
+        twice_k = tl.load(twice_k_table + matrix)
+    else:
+        twice_k = TWICE_K
     if CODEBOOK == -1:
         codebook = tl.load(codebook_table + matrix)
     else:
         codebook = CODEBOOK
     if FILL:
         fill = tl.load(fill_table + matrix)
-    else:
-        fill = 0
-    return trellis, twice_k, codebook, fill
-
-
-@triton.jit
-def _piece_product(acc, a, scale, had_lo, had_hi, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
-                   DOT_FP16: tl.constexpr, FILL: tl.constexpr):
-    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128]; the piece's trellis words copied to `fill` first when
-    this program writes through and the matrix has a fill address."""
-    if FILL:
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
     return rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
@@ -119,7 +113,8 @@ def moe_gate_up_kernel(
     gate_trellis, gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill,
     size_k, size_n, steps, partial_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
-    CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    TWICE_K_GATE: tl.constexpr, TWICE_K_UP: tl.constexpr, CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr,
+    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
     FILL: tl.constexpr,
 ):
     """partial[part, 0|1, slot, n0:+128] = had(x ⊙ suh) @ W_hat(gate|up) over this part's input pieces."""
@@ -133,10 +128,6 @@ def moe_gate_up_kernel(
         had_lo = load_hadamard_half(had_ptr, 0)
         had_hi = load_hadamard_half(had_ptr, 1)
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
-        g_trellis, g_twice_k, g_codebook, g_fill = _matrix(gate_trellis, gate_twice_k, gate_codebook, gate_fill,
-                                                           matrix, CODEBOOK_GATE, FILL)
-        u_trellis, u_twice_k, u_codebook, u_fill = _matrix(up_trellis, up_twice_k, up_codebook, up_fill, matrix,
-                                                           CODEBOOK_UP, FILL)
         acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         per_part = tl.cdiv(steps, tl.num_programs(2))
@@ -148,11 +139,12 @@ def moe_gate_up_kernel(
             if ROUTE_ON_INPUT:
                 a = a * route.to(tl.float32)[:, None]
             suh = tl.load(suh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc_gate = _piece_product(acc_gate, a, suh, had_lo, had_hi, g_trellis, g_twice_k, g_codebook, g_fill, k0,
-                                      n0, size_n, first, DOT_FP16, FILL)
+            acc_gate = _piece_product(acc_gate, a, suh, had_lo, had_hi, gate_trellis, gate_twice_k, gate_codebook,
+                                      gate_fill, matrix, k0, n0, size_n, first, TWICE_K_GATE, CODEBOOK_GATE,
+                                      DOT_FP16, FILL)
             suh = tl.load(suh_up_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc_up = _piece_product(acc_up, a, suh, had_lo, had_hi, u_trellis, u_twice_k, u_codebook, u_fill, k0, n0,
-                                    size_n, first, DOT_FP16, FILL)
+            acc_up = _piece_product(acc_up, a, suh, had_lo, had_hi, up_trellis, up_twice_k, up_codebook, up_fill,
+                                    matrix, k0, n0, size_n, first, TWICE_K_UP, CODEBOOK_UP, DOT_FP16, FILL)
         out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + n0 + offs[None, :]
         tl.store(out, acc_gate, mask=row_ok[:, None])
         tl.store(out + num_slots * size_n, acc_up, mask=row_ok[:, None])
@@ -164,7 +156,8 @@ def moe_down_kernel(
     row_ids_ptr, block_matrix_ptr, had_ptr, svh_gate_ptr, svh_up_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
     swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
-    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr, CLAMP: tl.constexpr,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    CLAMP: tl.constexpr,
     FILL: tl.constexpr,
 ):
     """out[part, slot, n0:+128] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces."""
@@ -177,8 +170,6 @@ def moe_down_kernel(
         had = load_hadamard(had_ptr)
         had_lo = load_hadamard_half(had_ptr, 0)
         had_hi = load_hadamard_half(had_ptr, 1)
-        d_trellis, d_twice_k, d_codebook, d_fill = _matrix(down_trellis, down_twice_k, down_codebook, down_fill,
-                                                           matrix, CODEBOOK, FILL)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
@@ -199,8 +190,8 @@ def moe_down_kernel(
                 up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
             act = gate * tl.sigmoid(gate) * up * tl.load(keep_ptr + offs_k)[None, :]
             suh = tl.load(suh_down_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc = _piece_product(acc, act, suh, had_lo, had_hi, d_trellis, d_twice_k, d_codebook, d_fill, k0, n0,
-                                 size_n, first, DOT_FP16, FILL)
+            acc = _piece_product(acc, act, suh, had_lo, had_hi, down_trellis, down_twice_k, down_codebook, down_fill,
+                                 matrix, k0, n0, size_n, first, TWICE_K, CODEBOOK, DOT_FP16, FILL)
         svh = tl.load(svh_down_ptr + matrix * size_n + n0 + offs).to(tl.float32)
         y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
         if not ROUTE_ON_INPUT:
@@ -227,7 +218,7 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
 
 def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up, gate_trellis, gate_twice_k,
                     gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
-                    codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
+                    twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
     parts, _, num_slots, size_n = partial.shape
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
@@ -239,14 +230,15 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
         size_k, size_n, size_k // PIECE, partial,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
-        CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
+        TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
+        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
         FILL=fill, num_warps=MATMUL_WARPS,
     )
 
 
 def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
-                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, codebook, block_m, dedup,
-                 route_on_input, dot_fp16):
+                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, block_m,
+                 dedup, route_on_input, dot_fp16):
     parts, num_slots, size_n = out.shape
     size_k = keep.shape[0]
     blocks = num_slots if dedup else block_matrix.shape[0]
@@ -257,7 +249,8 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_
         0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
         down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
-        CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, CLAMP=swiglu_limit is not None,
+        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
+        CLAMP=swiglu_limit is not None,
         FILL=fill, num_warps=MATMUL_WARPS,
     )
 
@@ -275,14 +268,15 @@ _gate_up = register_launch(
     "moe_gate_up_triton",
     f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor gate_trellis, Tensor gate_twice_k, "
     "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
-    f"Tensor? up_fill, Tensor(a!) partial, int codebook_gate, int codebook_up, {_FLAGS}",
+    f"Tensor? up_fill, Tensor(a!) partial, int twice_k_gate, int twice_k_up, int codebook_gate, int codebook_up, "
+    f"{_FLAGS}",
     _launch_gate_up,
 )
 _down = register_launch(
     "moe_down_triton",
     f"Tensor partial, {_ROUTING}, Tensor svh_gate, Tensor svh_up, Tensor keep, Tensor suh_down, Tensor svh_down, "
     "Tensor down_trellis, Tensor down_twice_k, Tensor down_codebook, Tensor? down_fill, Tensor(a!) out, "
-    f"float? swiglu_limit, int codebook, {_FLAGS}",
+    f"float? swiglu_limit, int twice_k, int codebook, {_FLAGS}",
     _launch_down,
 )
 _sum = register_launch("moe_sum_triton", "Tensor y, Tensor(a!) out, int top_k", _launch_sum)
@@ -299,7 +293,8 @@ class FusedTritonMoE:
         self.experts = list(experts)
         self.arena = arena
         self.tables = {
-            p: matrix_table([e.projections[p] for e in experts], tables.table(p, "trellis"), device) for p in PROJECTIONS
+            p: matrix_table([e.projections[p] for e in experts], tables.table(p, "trellis"), device)
+            for p in PROJECTIONS
         }
         self.scales = scales
         self.num_experts = len(experts)
@@ -362,11 +357,11 @@ class FusedTritonMoE:
         _gate_up(x, *routing, self.scales[("gate", "suh")], self.scales[("up", "suh")],
                  gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
                  up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
-                 gate.uniform_codebook, up.uniform_codebook, *flags)
+                 gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
         _down(partial, *routing, self.scales[("gate", "svh")], self.scales[("up", "svh")], self.keep_channels,
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
-              self.swiglu_limit, down.uniform_codebook, *flags)
+              self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
         _sum(y, out, top_k)
         return out
 
@@ -382,9 +377,10 @@ _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
-    dtype at decode (1 token: one program per slot, BLOCK_M 16) and at prefill (64-row blocks) for fp16, and
-    the sum kernel."""
+    dtype at decode (1 token: one program per slot, BLOCK_M 16) and at prefill (64-row blocks) for fp16. (The sum
+    kernel reads no trellis: nothing in it for the report to measure.)"""
     codebook = _CODEBOOK_IDS[shape.codebook]
+    twice_k = int(2 * shape.k_bits)
     routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
                "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32",
                "had_ptr": "*fp32"}
@@ -403,18 +399,15 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                        "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
-                {**flags, "CODEBOOK_GATE": codebook, "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3,
-                2 * PIECE * PIECE, dtype))
+                {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
+                 "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
+                trellis_arg="gate_trellis"))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "svh_gate_ptr": "*fp16",
                     "svh_up_ptr": "*fp16", "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
                     "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
                     "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
-                {**flags, "CODEBOOK": codebook, "CLAMP": False}, MATMUL_WARPS, 3, PIECE * PIECE, dtype))
-        kernels.append(StaticKernel(
-            f"moe_sum[{dtype}]", moe_sum_kernel,
-            {"y_ptr": "*fp32", "parts": "i32", "num_slots": "i32", "size_n": "i32", "hidden": "i32",
-             "out_ptr": pointer, "stride_om": "i32"},
-            {"TOP_K": shape.top_k, "BLOCK": SUM_BLOCK}, 4, 3, 0, dtype))
+                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False}, MATMUL_WARPS, 3, PIECE * PIECE,
+                dtype=dtype, trellis_arg="down_trellis"))
     return kernels
