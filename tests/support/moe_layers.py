@@ -69,7 +69,8 @@ def placed_moe(
     if isinstance(backend, MatmulBackend):
         kernel = RotatedMoE(experts, tables, scales, arena, crop, device, backend, swiglu_limit)
     else:
-        kernel = backend(MoELayer(experts, tables, scales, arena, crop, torch.float32, device, swiglu_limit, top_k=2))
+        kernel = backend(MoELayer(experts, tables, scales, arena, crop, torch.float32, device, swiglu_limit, top_k=2,
+                                  capture_rows=(64,)))  # graph tests capture up to 64 tokens
     return reference, kernel, arena
 
 
