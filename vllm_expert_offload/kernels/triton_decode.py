@@ -4,8 +4,8 @@
 n0:n0+BLOCK_N] in fp16, bit-exact (tested against `exl3.decode`), for one matrix whose trellis starts at the
 int64 address `trellis` (as a pointer table holds it: VRAM or the host arena's UVA alias alike). k0 and n0
 are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. K (as 2K, so
-1.5/2.5/3.5 stay integers) and the codebook may each be a constexpr (one compiled path) or a runtime scalar (K:
-a branch per rate, uniform across the block, so only one runs; codebook: all three computed, one selected).
+1.5/2.5/3.5 stay integers) and the codebook may each be a constexpr (one compiled path) or a runtime scalar, uniform
+across the block (a branch per rate or codebook, of which one runs).
 
 How it decodes (exl3-format.md §2.3-2.7), in ring order rather than tile order:
 - A tile's 256 weights sit on a ring: weight p's 16-bit state is the window of the MSB-first bit stream ending at
@@ -53,22 +53,40 @@ def _halves_sum(x):
 
 
 @triton.jit
-def _byte_sum(x):
-    """Sum of the four bytes of a uint32."""
+def _mul1(state):
+    """MUL1: x = state · 0x83DCD12D (mod 2^32), w = __hfma(fp16(1024 + bytesum(x)), fp16(0x1EEE), fp16(0xC931)).
+    On a GPU, two weights at a time: dp4a adds the byte sum to 0x6400 (fp16 1024: its low 10 bits are free and the
+    sum is below 1024), prmt packs the pair, one fma.rn.f16x2 finishes both. In the interpreter the same value from
+    shifts and masks and one exact fp32 FMA (the numerator is an integer below 2^21)."""
+    x = state * 0x83DCD12D
     if _USE_ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, 16843009, 0;", "=r,r", [x], dtype=tl.uint32,
-                                         is_pure=True, pack=1)
+        scale = tl.full(x.shape, 0x1EEE1EEE, tl.uint32)
+        offset = tl.full(x.shape, 0xC931C931, tl.uint32)
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, pair;
+            dp4a.u32.u32 lo, $1, 16843009, 25600;
+            dp4a.u32.u32 hi, $2, 16843009, 25600;
+            prmt.b32 pair, lo, hi, 0x5410;
+            fma.rn.f16x2 $0, pair, $3, $5;
+            }""",
+            "=r,r,r,r,r,r,r", [x, scale, offset], dtype=tl.float16, is_pure=True, pack=2)
     else:
-        return (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        bytesum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        return (bytesum.to(tl.float32) * _MUL1_SCALE + _MUL1_OFFSET).to(tl.float16)
 
 
 @triton.jit
 def _codebook_value(state, codebook):
-    """16-bit states (uint32) -> fp16 weights. `codebook` may be a constexpr or a runtime scalar."""
-    mul1 = (_byte_sum(state * 0x83DCD12D).to(tl.float32) * _MUL1_SCALE + _MUL1_OFFSET).to(tl.float16)
-    inst3 = _halves_sum(state * 89226354 + 64248484)
-    mcg = _halves_sum(state * 0xCBAC1FED)
-    return tl.where(codebook == 0, inst3, tl.where(codebook == 1, mcg, mul1))
+    """16-bit states (uint32) -> fp16 weights. `codebook` may be a constexpr (one path compiled) or a runtime scalar,
+    uniform over the block (a branch per codebook, one taken)."""
+    if codebook == 2:
+        w = _mul1(state)
+    elif codebook == 0:
+        w = _halves_sum(state * 89226354 + 64248484)
+    else:
+        w = _halves_sum(state * 0xCBAC1FED)
+    return w
 
 
 @triton.jit
@@ -94,37 +112,47 @@ def _ring_states(words, Q0: tl.constexpr, N: tl.constexpr, TWICE_K: tl.constexpr
         return tl.join(_ring_states(words, Q0, N // 2, TWICE_K), _ring_states(words, Q0 + N // 2, N // 2, TWICE_K))
 
 
+@triton.constexpr_function
+def group_span(twice_k):
+    """32-bit words one thread loads per group of 32 ring positions: those its windows touch, from the word before
+    the group on (half-integer K: one more, for the shift that aligns odd groups)."""
+    return (twice_k + 1) // 2 + 1 + twice_k % 2
+
+
 @triton.jit
-def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """decode_block for one compile-time K."""
-    TK: tl.constexpr = BLOCK_K // 16
-    TN: tl.constexpr = BLOCK_N // 16
+def group_words(trellis, k0, n0, size_n, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The trellis reads of one block: a tuple of group_span(TWICE_K) uint32 tensors shaped (tile row, tile
+    column, group g): word a of the tuple is the tile's word (first word of group g) - 1 + a, ring-wrapped."""
     TILE_WORDS: tl.constexpr = 4 * TWICE_K  # 16 K int16
-    # Words a group's windows touch, from the one before the group (half-integer K: one more, for the shift).
-    SPAN: tl.constexpr = (TWICE_K + 1) // 2 + 1 + TWICE_K % 2
-    tk = tl.arange(0, TK)[:, None, None]
-    tn = tl.arange(0, TN)[None, :, None]
+    tk = tl.arange(0, BLOCK_K // 16)[:, None, None]
+    tn = tl.arange(0, BLOCK_N // 16)[None, :, None]
     g = tl.arange(0, 8)[None, None, :]
     tile = (k0 // 16 + tk) * (size_n // 16) + (n0 // 16 + tn)
     first = (g * 16 * TWICE_K) // 32  # word holding the group's first bit
     base = trellis.to(tl.pointer_type(tl.int32)) + tile * TILE_WORDS
     words = ()
-    for a in tl.static_range(SPAN):
-        word = tl.load(base + (first - 1 + a + TILE_WORDS) % TILE_WORDS).to(tl.uint32, bitcast=True)
-        words = words + (word,)
+    for a in tl.static_range(group_span(TWICE_K)):
+        words = words + (tl.load(base + (first - 1 + a + TILE_WORDS) % TILE_WORDS).to(tl.uint32, bitcast=True),)
+    return words
+
+
+@triton.jit
+def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """decode_block for one compile-time K."""
+    words = group_words(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
     if TWICE_K % 2 == 1:
         # Odd groups start 16 bits into their first word: shift the thread's stream left by 16 (funnel shifts).
-        odd = (g % 2) == 1
+        odd = (tl.arange(0, 8)[None, None, :] % 2) == 1
         aligned = ()
-        for a in tl.static_range(SPAN - 1):
+        for a in tl.static_range(group_span(TWICE_K) - 1):
             aligned = aligned + (tl.where(odd, (words[a] << 16) | (words[a + 1] >> 16), words[a]),)
         states = _ring_states(aligned, 0, 32, TWICE_K)
     else:
         states = _ring_states(words, 0, 32, TWICE_K)
-    w = _codebook_value(states, codebook)  # (TK, TN, g, q0, q1, q2, q3, q4)
-    # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tk r3 r2 r1 r0, tn c3 c2 c1 c0)
-    w = tl.reshape(w, (TK, TN, 2, 2, 2, 2, 2, 2, 2, 2))
+    w = _codebook_value(states, codebook)  # (tile row, tile column, g, q0, q1, q2, q3, q4)
+    # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
+    w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
     w = tl.permute(w, (0, 6, 9, 8, 5, 1, 7, 2, 3, 4))
     return tl.reshape(w, (BLOCK_K, BLOCK_N))
 

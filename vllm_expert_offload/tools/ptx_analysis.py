@@ -7,8 +7,7 @@ to a fixpoint; PTX registers are mostly single-assignment), each load through a 
 (the table entry it reads), and the loads whose address derives from the level `trellis_indirection` reads are the
 trellis loads. Activations, row ids and tables never derive from that argument, so they are never counted.
 
-The decode loop is the innermost LLVM loop (its `Loop Header: Depth=N` comment, up to the last branch back to it)
-holding a trellis load; in SASS (nvdisasm with line info), the innermost loop holding code of `triton_decode.py`.
+The decode loop is the innermost LLVM loop holding a trellis load (the basic blocks LLVM's comments assign to it); in SASS (nvdisasm), the innermost loop (label to backward branch) holding a global load.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ _INSTRUCTION = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s*(.*)$")
 _REGISTER = re.compile(r"%[a-z]+\d+")
 _VECTOR = re.compile(r"\.v(\d)")
 _WIDTH = re.compile(r"\.[busf](8|16|32|64|128)\b")
-_LOOP_HEADER = re.compile(r"^(\$L__\w+):.*Loop Header: Depth=(\d+)")
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+_SASS_GLOBAL_LOAD = re.compile(r"\bLDG(STS)?\.")
 _SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
@@ -113,43 +112,47 @@ def trellis_loads(ptx: str, param_index: int, indirection: int) -> list[Instruct
             if _is_global_load(ins) and set(_REGISTER.findall(ins.address)) & levels[indirection]]
 
 
-@dataclass(frozen=True)
-class Loop:
-    start: int  # line of the header label
-    end: int  # line of the last branch back to it
-    depth: int
+_BLOCK_START = re.compile(r"^(?:\$L__(BB\d+_\d+):|// %bb\.\d+:)(.*)$")
+_IN_LOOP = re.compile(r"in Loop: Header=(BB\d+_\d+)")
 
 
-def ptx_loops(ptx: str) -> list[Loop]:
-    lines = ptx.splitlines()
-    loops = []
-    for i, text in enumerate(lines):
-        m = _LOOP_HEADER.match(text.strip())
+def ptx_loops(ptx: str) -> dict[str, list[int]]:
+    """Each LLVM loop (by its header block's name) -> the lines of the basic blocks whose innermost loop it is.
+    LLVM annotates every block of a loop (`in Loop: Header=BB0_4 Depth=1`) and its header (`Loop Header`); the
+    blocks need not be contiguous (branches inside the body place some before the header)."""
+    loops: dict[str, list[int]] = {}
+    current = None
+    for i, text in enumerate(ptx.splitlines()):
+        m = _BLOCK_START.match(text.strip())
         if m:
-            back = [j for j in range(i, len(lines)) if re.search(rf"\bbra(\.uni)?\s+{re.escape(m.group(1))};", lines[j])]
-            if back:
-                loops.append(Loop(i, back[-1], int(m.group(2))))
+            label, comment = m.groups()
+            inner = _IN_LOOP.search(comment)
+            if "Loop Header" in comment and label:
+                current = label
+            elif inner:
+                current = inner.group(1)
+            else:
+                current = None
+        if current is not None:
+            loops.setdefault(current, []).append(i)
     return loops
 
 
-def count_ptx_instructions(ptx_lines: list[str], loop: Loop) -> int:
-    """Instructions between a loop's header and its back branch (inline-asm bodies included, directives not)."""
-    return len(_statements(ptx_lines[loop.start : loop.end + 1]))
-
-
 def decode_loop_ptx_instructions(ptx: str, loads: list[Instruction]) -> int:
-    """Instructions of the innermost loop holding a trellis load (the widest count if several loops decode)."""
+    """Instructions of the innermost loop holding a trellis load (the largest count if several loops decode),
+    inline-asm bodies counted statement by statement, directives not."""
     lines = ptx.splitlines()
-    holding = [lp for lp in ptx_loops(ptx) if any(lp.start <= ld.line <= lp.end for ld in loads)]
-    if not holding:
+    load_lines = {ld.line for ld in loads}
+    counts = [len(_statements([lines[i] for i in members])) for members in ptx_loops(ptx).values()
+              if load_lines & set(members)]
+    if not counts:
         raise ValueError("no loop of the kernel holds a trellis load: is the decode outside the K loop?")
-    innermost = [lp for lp in holding if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in holding)]
-    return max(count_ptx_instructions(lines, lp) for lp in innermost)
+    return max(counts)
 
 
-def decode_loop_sass_instructions(sass: str, marker: str) -> int | None:
-    """SASS instructions of the innermost loop whose line info names `marker` (the decode's source file), from
-    `nvdisasm -c -gi`; None when no loop does."""
+def decode_loop_sass_instructions(sass: str) -> int | None:
+    """SASS instructions of the innermost loop holding a global load (LDG, or LDGSTS where loads are pipelined),
+    from `nvdisasm -c` (the widest count if several loops do); None when no loop does."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, t in enumerate(lines) if (m := _SASS_LABEL.match(t.strip()))}
     loops = []
@@ -157,7 +160,7 @@ def decode_loop_sass_instructions(sass: str, marker: str) -> int | None:
         m = _SASS_BRANCH.search(text)
         if m and labels.get(m.group(1), j + 1) < j:
             start = labels[m.group(1)]
-            if any(marker in t for t in lines[start:j]):
+            if any(_SASS_GLOBAL_LOAD.search(t) for t in lines[start:j]):
                 loops.append((start, j))
     inner = [(s, e) for s, e in loops if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)]
     counts = [sum(1 for t in lines[s : e + 1] if _SASS_INSTRUCTION.search(t)) for s, e in inner]

@@ -88,11 +88,11 @@ def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_triton_tool("nvdisasm"), "-c", "-gi", f.name], capture_output=True, text=True,
+        return subprocess.run([_triton_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
 
 
-def analyse(kernel: StaticKernel, capability: int, decode_marker: str = "triton_decode.py") -> dict:
+def analyse(kernel: StaticKernel, capability: int) -> dict:
     """One kernel's static facts on one target (the report's per-kernel entry)."""
     compiled = compile_kernel(kernel, capability)
     loads = ptx_analysis.trellis_loads(compiled.ptx, _param_index(kernel), kernel.trellis_indirection)
@@ -100,7 +100,7 @@ def analyse(kernel: StaticKernel, capability: int, decode_marker: str = "triton_
         raise ValueError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
                          f"{kernel.trellis_indirection} address load(s); is trellis_arg right?")
     weights_per_thread = kernel.weights_per_iteration / (kernel.num_warps * 32)
-    sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin), decode_marker)
+    sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin))
     return {
         **ptxas_usage(compiled),
         "shared_bytes": compiled.shared_bytes,
