@@ -17,8 +17,9 @@ its own (`"probe": "host_arena", "status": "failed"`) and the host-tier reads fa
 - h2d_copy: cudaMemcpyAsync (Tensor.copy_) of pinned host memory to VRAM by size: the copy engine, which the torch
   reference's per-batch reads of host-tier experts use.
 - pattern: one projection per selected expert (a Qwen3-30B-A3B gate: 2048 x 768, K=3) read in the access pattern of
-  the Triton kernel (each weight of a 64x64 block loads its two 16-bit units of the ring, `_ring_units` of
-  kernels/triton_exl3.py, on the kernel's own decode grid: one program per (expert, 64 columns)) and of exllamav3's
+  the Triton kernel (each thread of a 64x64 block loads the few consecutive 32-bit words of one 32-position group of
+  a tile, `group_words` of kernels/triton_decode.py, on the kernel's own decode grid: one program per (expert, 64
+  columns)) and of exllamav3's
   kernels (each 16-row tile row read as contiguous runs of 8 tiles, 128 columns, by 4-byte loads of consecutive
   lanes, the rows split 16 ways: exl3_gemm's TILESIZE_N 128 and exl3_moe_coop's gemv_tile over 16 warps).
 Timing: CUDA events around each launch, the L2 flushed before each (a write of twice its size), median of the repeats.
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_expert_offload.kernels.triton_decode import _ring_units
+from vllm_expert_offload.kernels.triton_decode import group_span, group_words
 from vllm_expert_offload.memory.arena import HostArena
 
 KIB, MIB = 2**10, 2**20
@@ -100,22 +101,19 @@ def _xor(a, b):
 
 
 @triton.jit
-def _triton_pattern(table_ptr, out_ptr, size_k, size_n, k_int, k_half, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The loads of kernels/triton_decode.py's decode_block for one matrix per program row, without the decode."""
+def _triton_pattern(table_ptr, out_ptr, size_k, size_n, TWICE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The loads of kernels/triton_decode.py's decode_block (its `group_words`) for one matrix per program row,
+    without the decode."""
     matrix, col_block = tl.program_id(0), tl.program_id(1)
-    trellis = tl.load(table_ptr + matrix).to(tl.pointer_type(tl.int16))
-    units = 16 * k_int + 8 * k_half
-    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_kb = tl.arange(0, BLOCK_K)
-    first, second, shift = _ring_units(offs_kb, offs_n, k_int, k_half)
-    tile_col = (offs_n // 16)[None, :]
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.int32)
+    trellis = tl.load(table_ptr + matrix)
+    acc = tl.zeros((BLOCK_K // 16, BLOCK_N // 16, 8), dtype=tl.uint32)
     for k0 in range(0, size_k, BLOCK_K):
-        tile = (((k0 + offs_kb) // 16)[:, None] * (size_n // 16) + tile_col).to(tl.int64) * units
-        hi = tl.load(trellis + tile + first).to(tl.int32)
-        lo = tl.load(trellis + tile + second).to(tl.int32)
-        acc ^= (hi << shift) ^ lo
-    tl.store(out_ptr + matrix * tl.num_programs(1) + col_block, tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
+        words = group_words(trellis, k0, col_block * BLOCK_N, size_n, TWICE_K, BLOCK_K, BLOCK_N)
+        for a in tl.static_range(group_span(TWICE_K)):
+            acc ^= words[a]
+    acc = tl.reduce(tl.reduce(tl.reduce(acc, 2, _xor), 1, _xor), 0, _xor)
+    tl.store(out_ptr + matrix * tl.num_programs(1) + col_block, acc.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -255,7 +253,7 @@ def probe_patterns(tier: str, base: Callable[[int], int], region: int, shape: di
     sink = torch.empty(matrices * max(blocks_n, runs * splits), dtype=torch.int32, device=device)
     launches = {
         "triton": lambda: _triton_pattern[(matrices, blocks_n)](
-            tables[next(turn) % 4], sink, p["in"], p["out"], k_int, k_half, BLOCK_N=64, BLOCK_K=64),
+            tables[next(turn) % 4], sink, p["in"], p["out"], TWICE_K=int(2 * p["k"]), BLOCK_N=64, BLOCK_K=64),
         "exllamav3": lambda: _exllamav3_pattern[(matrices, runs, splits)](
             tables[next(turn) % 4], sink, p["in"] // 16 // splits, (p["out"] // 16) * units // 2,
             EXL3_RUN_TILES * units // 2,

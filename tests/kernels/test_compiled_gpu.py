@@ -19,8 +19,8 @@ from vllm_expert_offload.kernels import ops
 from vllm_expert_offload.kernels.contract import LinearLayer
 from vllm_expert_offload.kernels.linear import LinearShard
 from vllm_expert_offload.kernels.oracle import KernelChoice, build_linear_kernel, why_unavailable
-from vllm_expert_offload.kernels.rotated import RotatedLinear
-from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
+from vllm_expert_offload.kernels.triton_moe import fused_moe
 from vllm_expert_offload.tools.random_layers import random_linear, random_moe
 
 from support.moe_layers import FULL, HIDDEN, placed_moe, routing
@@ -81,7 +81,7 @@ def _same_launches(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("tokens", [4, 32])
 def test_triton_moe_op_compiled_with_graphs_equals_eager(tokens: int) -> None:
-    _, triton, _ = placed_moe(FULL, TRITON_MATMUL, device=CUDA)
+    _, triton, _ = placed_moe(FULL, fused_moe, device=CUDA)  # what the backend builds
     compare_compiled(_moe_op(triton, HIDDEN), lambda call: routing(tokens, seed=call, device=CUDA), _same_launches)
 
 
@@ -91,7 +91,7 @@ def _rows(count: int, width: int, dtype: torch.dtype) -> Callable[[int], tuple]:
 
 def test_triton_linear_op_compiled_with_graphs_equals_eager() -> None:
     layer = random_linear(torch.Generator().manual_seed(3), 512, 384, 4)
-    linear = RotatedLinear([LinearShard(layer, 0, 384, 384, 0, 512)], CUDA, TRITON_MATMUL)
+    linear = FusedTritonLinear([LinearShard(layer, 0, 384, 384, 0, 512)], torch.float32, CUDA, capture_rows=(8,))
     compare_compiled(_linear_op(linear), _rows(8, 512, torch.float32), _same_launches)
 
 

@@ -20,7 +20,7 @@ from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
+from vllm_expert_offload.kernels.matrix_table import MIXED_RATES, matrix_table, own_addresses
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear, rotated_moe
 from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
@@ -70,6 +70,23 @@ def test_decode_is_bit_exact_for_every_rate_and_codebook(backend: MatmulBackend,
         expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
         bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
         assert np.array_equal(bits, expected), f"K={k} {cb}: {np.count_nonzero(bits != expected)} weights differ"
+
+
+@pytest.mark.parametrize("k", [3, 2.5])
+def test_decode_is_bit_exact_with_the_rate_a_compile_time_constant(k: float) -> None:
+    """A table of one K (every codebook): the Triton kernel compiles that rate's decode alone (uniform_twice_k),
+    the path models with one K per projection take; the launches above branch on K at run time."""
+    layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, cb in enumerate(("3inst", "mcg", "mul1"))]
+    assert matrix_table(layers, own_addresses(layers), CPU).uniform_twice_k == int(2 * k)
+    for layer, got in zip(layers, decode_with_kernel(layers, TRITON_MATMUL)):
+        expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, layer.codebook.value).astype(np.int64)
+        bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        assert np.array_equal(bits, expected), f"K={k} {layer.codebook}: {np.count_nonzero(bits != expected)} differ"
+
+
+def test_mixed_rates_leave_the_rate_to_the_kernel() -> None:
+    layers = [parse_linear(make_layer(k, "mul1", 128, 128, seed=0)) for k in (3, 2.5)]
+    assert matrix_table(layers, own_addresses(layers), CPU).uniform_twice_k == MIXED_RATES
 
 
 def test_decode_negative_control_wrong_codebook_differs(backend: MatmulBackend) -> None:

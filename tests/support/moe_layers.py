@@ -3,12 +3,14 @@ read-back through a launcher, and the host-synchronisation net used by every no-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_expert_offload.exl3 import Exl3Linear, parse_linear
 from vllm_expert_offload.exl3.naming import PROJECTIONS
-from vllm_expert_offload.kernels.contract import ExpertCrop
+from vllm_expert_offload.kernels.contract import ExpertCrop, MoELayer
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
@@ -53,17 +55,22 @@ def expert_sets(seed: int) -> list[dict[str, Exl3Linear]]:
 
 
 def placed_moe(
-    crop: ExpertCrop, backend: MatmulBackend, swiglu_limit: float | None = None, seed: int = 0,
-    device: torch.device = CPU,
+    crop: ExpertCrop, backend: MatmulBackend | Callable[[MoELayer], object], swiglu_limit: float | None = None,
+    seed: int = 0, device: torch.device = CPU,
 ):
-    """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena."""
+    """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena.
+    `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer (top-k 2)."""
     sets = expert_sets(seed)
     arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]
     experts, scales = stack_scales(placed, device)
     tables = build_pointer_tables(experts, kernel_address(arena, device), device)
     reference = TableMoE(experts, tables, arena, crop, torch.float32, device, swiglu_limit)
-    kernel = RotatedMoE(experts, tables, scales, arena, crop, device, backend, swiglu_limit)
+    if isinstance(backend, MatmulBackend):
+        kernel = RotatedMoE(experts, tables, scales, arena, crop, device, backend, swiglu_limit)
+    else:
+        kernel = backend(MoELayer(experts, tables, scales, arena, crop, torch.float32, device, swiglu_limit, top_k=2,
+                                  capture_rows=(64,)))  # graph tests capture up to 64 tokens
     return reference, kernel, arena
 
 

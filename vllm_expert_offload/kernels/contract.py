@@ -45,6 +45,8 @@ class MoELayer:
     dtype: torch.dtype  # the model's activation dtype
     device: torch.device
     swiglu_limit: float | None = None  # DeepSeek-V4: gate <= limit, |up| <= limit before SiLU
+    top_k: int = 1  # experts per token (kernels size their decode grid and workspaces with it)
+    capture_rows: tuple[int, ...] = ()  # batch sizes vLLM captures CUDA graphs for (workspaces reserved at build)
     cache: ExpertSlots | None = None  # the GPU tier as an expert cache (only for a backend that writes through)
 
     @property

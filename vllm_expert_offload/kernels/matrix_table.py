@@ -17,6 +17,7 @@ from ..exl3.tensors import Exl3Linear
 
 CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 MIXED_CODEBOOKS = -1
+MIXED_RATES = 0
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class MatrixTable:
     uniform_codebook: int  # the common codebook id, or MIXED_CODEBOOKS (the kernel then reads `codebook`)
     in_features: int  # padded, common to every matrix
     out_features: int
+    uniform_twice_k: int = MIXED_RATES  # the common 2K, or MIXED_RATES (the kernel then reads `twice_k`)
 
 
 def matrix_table(
@@ -43,13 +45,15 @@ def matrix_table(
     if strided:
         raise ValueError(f"{strided[0]}.trellis is a strided view; kernels read tiles as one dense grid")
     ids = [CODEBOOK_IDS[layer.codebook] for layer in layers]
+    twice_k = [int(2 * layer.k) for layer in layers]
     return MatrixTable(
         trellis=torch.as_tensor(trellis_addresses, dtype=torch.int64, device=device),
-        twice_k=torch.tensor([int(2 * layer.k) for layer in layers], dtype=torch.int32, device=device),
+        twice_k=torch.tensor(twice_k, dtype=torch.int32, device=device),
         codebook=torch.tensor(ids, dtype=torch.int32, device=device),
         uniform_codebook=ids[0] if len(set(ids)) == 1 else MIXED_CODEBOOKS,
         in_features=in_features,
         out_features=out_features,
+        uniform_twice_k=twice_k[0] if len(set(twice_k)) == 1 else MIXED_RATES,
     )
 
 

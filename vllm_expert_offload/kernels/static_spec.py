@@ -3,7 +3,7 @@ ahead of time on a machine without a GPU (Triton's compiler and ptxas only) and 
 widths and inner-loop instruction counts read from the result.
 
 A kernel module lists its kernels at given layer shapes (`static_kernels(shape)`); the report compiles each for
-sm_90 and sm_120. Nothing here launches anything.
+sm_90 and sm_120 (vllm_expert_offload/tools/static_kernels.py). Nothing here launches anything.
 """
 
 from __future__ import annotations
@@ -37,5 +37,10 @@ class StaticKernel:
     num_warps: int
     num_stages: int
     weights_per_iteration: int  # weights decoded by one program per iteration of the inner (K) loop
+    # Which loads read trellis memory, found by address provenance in the PTX: the pointer argument the
+    # trellis addresses come from, and how many address loads lie between it and the trellis data
+    # (1: it points to an int64 table of trellis addresses, as MatrixTable.trellis; 0: it is a trellis).
+    trellis_arg: str
+    trellis_indirection: int = 1
     dtype: str = "fp16"  # activation dtype of this variant ("fp16", "bf16", "fp32"): spills must be 0 for fp16/bf16
     options: Mapping[str, Any] = field(default_factory=dict)  # further triton.compile options, if any

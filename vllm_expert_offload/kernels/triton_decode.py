@@ -3,75 +3,184 @@
 `decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N)` returns W_hat[k0:k0+BLOCK_K,
 n0:n0+BLOCK_N] in fp16, bit-exact (tested against `exl3.decode`), for one matrix whose trellis starts at the
 int64 address `trellis` (as a pointer table holds it: VRAM or the host arena's UVA alias alike). k0 and n0
-are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. Kernels
-call it inside their K loop; what it loads and how is its own business (exl3-format.md §2.3-2.7):
-- ring position p of tile element (r, c) inverts the tensor-core permutation arithmetically;
-- its 16-bit state is the ring window ending at S(p) = (p+1)·KA + h·⌊(p+1)/2⌋ (h = 1 for K = KA + ½),
-  wrapped mod R = 256·K (tail-biting); the window spans two 16-bit units of the MSB-first stream, and
-  unit u is stored at int16 index u ^ 1 (each 32-bit word is stored as two little-endian halves);
-- the codebook turns the state into fp16 (3INST, MCG, MUL1 with the kernels' roundings).
-K (as 2K, so 1.5/2.5/3.5 stay integers) and the codebook (a constexpr or a runtime scalar) come per matrix.
+are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. K (as 2K, so
+1.5/2.5/3.5 stay integers) and the codebook may each be a constexpr (one compiled path) or a runtime scalar, uniform
+across the block (a branch per rate or codebook, of which one runs).
+
+How it decodes (exl3-format.md §2.3-2.7), in ring order rather than tile order:
+- A tile's 256 weights sit on a ring: weight p's 16-bit state is the window of the MSB-first bit stream ending at
+  S(p) = (p+1)·KA + h·⌊(p+1)/2⌋ (h = 1 for K = KA + ½), tail-biting at 256·K bits. Stored as int32, the stream is
+  simply the tile's words in order (unit u sits at int16 u ^ 1, so word i = unit 2i << 16 | unit 2i+1).
+- One thread takes a group of 32 consecutive ring positions (p = 32g + q) of one tile: their windows lie in the
+  ⌈K⌉+1 words from the group's start on (the word before it too, for the first windows), which the thread loads
+  as whole 32-bit words, every lane of a warp a few consecutive words of one contiguous tile stripe. For every q
+  the word and bit offset of its window are compile-time constants (a group spans 32·K bits; with half-integer K
+  odd groups start half-way into a word, which one funnel shift per word absorbs), so each state costs a shift or
+  a funnel shift; all 32 are joined into the thread's registers (`_ring_states`, a static tree of tl.join).
+- The codebook runs on those states with 32-bit integer arithmetic: MUL1 as a multiply and a byte sum (one dp4a
+  on a GPU) turned into fp16 by one exact fp32 FMA; 3INST and MCG as a multiply-add, LOP3 masks and one fp16
+  add of the two halves.
+- Ring position p = 32g + q is a bit permutation of the tile element (r, c): g = c mod 8, and q's five bits are
+  r0, r3, c3, r1, r2 (p = 8t + j, t = 4(c mod 8) + (r mod 8)//2, j = r mod 2 + 2(r//8) + 4(c//8)), so a reshape
+  into single-bit axes, a permute and a reshape put the block in (row, column) order for tl.dot.
+Triton's interpreter cannot run inline assembly: there the byte sum is written out in shifts and masks (the same
+value), chosen once at import from TRITON_INTERPRET, as Triton itself chooses its mode.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+_USE_ASM: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+# __hfma(1024 + bs, fp16(0x1EEE), fp16(0xC931)) = (bs · 1774 + 1024 · 1774 - 2721792) · 2^-18: exact in fp32
+# (an integer numerator below 2^21), so one fp32 FMA and one rounding to fp16 give the fp16 FMA's result.
+_MUL1_SCALE: tl.constexpr = tl.constexpr(1774 * 2.0**-18)
+_MUL1_OFFSET: tl.constexpr = tl.constexpr((1024 * 1774 - 2721792) * 2.0**-18)
+
 
 @triton.jit
-def _lop3_halves(x):
-    """3INST/MCG: keep sign, low exponent bits and mantissa of both halves, force the exponent to 011xx,
-    add the two fp16 halves in fp32 (exact) and round once, which equals __hadd."""
+def _halves_sum(x):
+    """3INST/MCG: keep sign, low exponent bits and mantissa of both halves, force the exponent to 011xx and add
+    the two fp16 halves: both lie in ±[0.125, 2), so the sum rounds once however it is computed (= __hadd)."""
     x = (x & 0x8FFF8FFF) ^ 0x3B603B60
     lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    return (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
+    return lo + hi
+
+
+@triton.jit
+def _mul1(state):
+    """MUL1: x = state · 0x83DCD12D (mod 2^32), w = __hfma(fp16(1024 + bytesum(x)), fp16(0x1EEE), fp16(0xC931)).
+    On a GPU, two weights at a time: dp4a adds the byte sum to 0x6400 (fp16 1024: its low 10 bits are free and the
+    sum is below 1024), prmt packs the pair, one fma.rn.f16x2 finishes both. In the interpreter the same value from
+    shifts and masks and one exact fp32 FMA (the numerator is an integer below 2^21)."""
+    x = state * 0x83DCD12D
+    if _USE_ASM:
+        scale = tl.full(x.shape, 0x1EEE1EEE, tl.uint32)
+        offset = tl.full(x.shape, 0xC931C931, tl.uint32)
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, pair;
+            dp4a.u32.u32 lo, $1, 16843009, 25600;
+            dp4a.u32.u32 hi, $2, 16843009, 25600;
+            prmt.b32 pair, lo, hi, 0x5410;
+            fma.rn.f16x2 $0, pair, $3, $5;
+            }""",
+            "=r,r,r,r,r,r,r", [x, scale, offset], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        bytesum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        return (bytesum.to(tl.float32) * _MUL1_SCALE + _MUL1_OFFSET).to(tl.float16)
 
 
 @triton.jit
 def _codebook_value(state, codebook):
-    """16-bit state (int64) -> fp16 weight. `codebook` may be a constexpr or a runtime scalar."""
-    inst3 = _lop3_halves((state * 89226354 + 64248484) & 0xFFFFFFFF)
-    mcg = _lop3_halves((state * 0xCBAC1FED) & 0xFFFFFFFF)
-    x = (state * 0x83DCD12D) & 0xFFFFFFFF
-    bytesum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    # __hfma(1024 + bs, fp16(0x1EEE), fp16(0xC931)): an integer numerator below 2^20, exact in fp32.
-    mul1 = (((1024 + bytesum) * 1774 - 2721792).to(tl.float32) * 3.814697265625e-06).to(tl.float16)
-    return tl.where(codebook == 0, inst3, tl.where(codebook == 1, mcg, mul1))
+    """16-bit states (uint32) -> fp16 weights. `codebook` may be a constexpr (one path compiled) or a runtime scalar,
+    uniform over the block (a branch per codebook, one taken)."""
+    if codebook == 2:
+        w = _mul1(state)
+    elif codebook == 0:
+        w = _halves_sum(state * 89226354 + 64248484)
+    else:
+        w = _halves_sum(state * 0xCBAC1FED)
+    return w
 
 
 @triton.jit
-def _ring_units(offs_k, offs_n, k_int, k_half):
-    """For each (row, column) of a block: the two 16-bit stream units its state window spans (already
-    swapped to storage order) and the right shift that aligns the window. Independent of the block's
-    position, because every block starts on a tile boundary."""
-    r = (offs_k % 16)[:, None]
-    c = (offs_n % 16)[None, :]
-    t = 4 * (c % 8) + (r % 8) // 2
-    j = (r % 2) + 2 * (r // 8) + 4 * (c // 8)
-    p = 8 * t + j
-    units = 16 * k_int + 8 * k_half  # int16 per tile = 16 K
-    ring = 16 * units
-    start = (p + 1) * k_int + k_half * ((p + 1) // 2) - 16
-    start = tl.where(start < 0, start + ring, start)
-    first = start // 16
-    second = tl.where(first + 1 == units, 0, first + 1)
-    return first ^ 1, second ^ 1, 16 - start % 16
+def _window(words, Q: tl.constexpr, TWICE_K: tl.constexpr):
+    """State of ring position Q of the thread's group: the 16 bits starting at the window's start, relative to
+    the group's start, from `words` (words[0] is the word before the group's first)."""
+    END: tl.constexpr = (Q + 1) * (TWICE_K // 2) + (TWICE_K % 2) * ((Q + 1) // 2)
+    START: tl.constexpr = END - 16 + 32  # +32: words[0] is the word before the group
+    W: tl.constexpr = START // 32
+    O: tl.constexpr = START % 32
+    if O <= 16:
+        return (words[W] >> (16 - O)) & 0xFFFF
+    else:
+        return ((words[W] << (O - 16)) | (words[W + 1] >> (48 - O))) & 0xFFFF
+
+
+@triton.jit
+def _ring_states(words, Q0: tl.constexpr, N: tl.constexpr, TWICE_K: tl.constexpr):
+    """States of ring positions Q0..Q0+N-1 of each thread's group, joined into new minor axes (bit 0 of q first)."""
+    if N == 1:
+        return _window(words, Q0, TWICE_K)
+    else:
+        return tl.join(_ring_states(words, Q0, N // 2, TWICE_K), _ring_states(words, Q0 + N // 2, N // 2, TWICE_K))
+
+
+@triton.constexpr_function
+def group_span(twice_k):
+    """32-bit words one thread loads per group of 32 ring positions: those its windows touch, from the word before
+    the group on (half-integer K: one more, for the shift that aligns odd groups)."""
+    return (twice_k + 1) // 2 + 1 + twice_k % 2
+
+
+@triton.jit
+def group_words(trellis, k0, n0, size_n, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The trellis reads of one block: a tuple of group_span(TWICE_K) uint32 tensors shaped (tile row, tile
+    column, group g): word a of the tuple is the tile's word (first word of group g) - 1 + a, ring-wrapped."""
+    TILE_WORDS: tl.constexpr = 4 * TWICE_K  # 16 K int16
+    tk = tl.arange(0, BLOCK_K // 16)[:, None, None]
+    tn = tl.arange(0, BLOCK_N // 16)[None, :, None]
+    g = tl.arange(0, 8)[None, None, :]
+    tile = (k0 // 16 + tk) * (size_n // 16) + (n0 // 16 + tn)
+    first = (g * 16 * TWICE_K) // 32  # word holding the group's first bit
+    base = trellis.to(tl.pointer_type(tl.int32)) + tile * TILE_WORDS
+    words = ()
+    for a in tl.static_range(group_span(TWICE_K)):
+        words = words + (tl.load(base + (first - 1 + a + TILE_WORDS) % TILE_WORDS).to(tl.uint32, bitcast=True),)
+    return words
+
+
+@triton.jit
+def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """decode_block for one compile-time K."""
+    words = group_words(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
+    if TWICE_K % 2 == 1:
+        # Odd groups start 16 bits into their first word: shift the thread's stream left by 16 (funnel shifts).
+        odd = (tl.arange(0, 8)[None, None, :] % 2) == 1
+        aligned = ()
+        for a in tl.static_range(group_span(TWICE_K) - 1):
+            aligned = aligned + (tl.where(odd, (words[a] << 16) | (words[a + 1] >> 16), words[a]),)
+        states = _ring_states(aligned, 0, 32, TWICE_K)
+    else:
+        states = _ring_states(words, 0, 32, TWICE_K)
+    w = _codebook_value(states, codebook)  # (tile row, tile column, g, q0, q1, q2, q3, q4)
+    # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
+    w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
+    w = tl.permute(w, (0, 6, 9, 8, 5, 1, 7, 2, 3, 4))
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
 def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`."""
-    k_int = twice_k // 2
-    k_half = twice_k % 2
-    units = 16 * k_int + 8 * k_half  # int16 per tile = 16 K
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    first, second, shift = _ring_units(tl.arange(0, BLOCK_K), offs_n, k_int, k_half)
-    base = trellis.to(tl.pointer_type(tl.int16))
-    tile = ((offs_k // 16)[:, None] * (size_n // 16) + (offs_n // 16)[None, :]).to(tl.int64) * units
-    hi = tl.load(base + tile + first).to(tl.int64) & 0xFFFF
-    lo = tl.load(base + tile + second).to(tl.int64) & 0xFFFF
-    state = (((hi << 16) | lo) >> shift) & 0xFFFF
-    return _codebook_value(state, codebook)
+    """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`.
+    Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py); a constexpr `twice_k` compiles its branch alone."""
+    if twice_k == 6:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 6, BLOCK_K, BLOCK_N)
+    elif twice_k == 4:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 4, BLOCK_K, BLOCK_N)
+    elif twice_k == 8:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 8, BLOCK_K, BLOCK_N)
+    elif twice_k == 5:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 5, BLOCK_K, BLOCK_N)
+    elif twice_k == 7:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 7, BLOCK_K, BLOCK_N)
+    elif twice_k == 10:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 10, BLOCK_K, BLOCK_N)
+    elif twice_k == 3:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 3, BLOCK_K, BLOCK_N)
+    elif twice_k == 2:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 2, BLOCK_K, BLOCK_N)
+    elif twice_k == 12:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 12, BLOCK_K, BLOCK_N)
+    elif twice_k == 14:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 14, BLOCK_K, BLOCK_N)
+    else:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, 16, BLOCK_K, BLOCK_N)
+    return w

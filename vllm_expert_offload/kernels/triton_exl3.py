@@ -1,8 +1,12 @@
-"""Triton EXL3 matmul over pointer tables: C[row] = A[row] @ W_hat[matrix of row's block], decoded in place.
+"""The Triton backend (`BACKEND`), and its one-matrix-per-block matmul launcher `TRITON_MATMUL`.
 
-One kernel serves every EXL3 product of the plugin: routed experts (decode: one (token, expert) slot per
-block; prefill: slots grouped by expert, so each trellis tile is decoded once per block of tokens) and
-dense linears (a table of one matrix). Each program owns BLOCK_M rows that share one matrix and BLOCK_N
+What the backend builds: `triton_moe.FusedTritonMoE` (a MoE layer in three launches) and
+`triton_linear.FusedTritonLinear` (a dense linear in one or two), each with the rotations in-kernel.
+
+`TRITON_MATMUL` is the plain launcher of the shared glue's contract (rotated.py): C[row] = A[row] @ W_hat[matrix
+of row's block], decoded in place, with the rotations outside. The tests read W_hat back through it (bit for bit
+against the format's reference) and compare the fused kernels with the glue it computes under; the backend
+itself no longer launches it. Each program owns BLOCK_M rows that share one matrix and BLOCK_N
 output columns; it walks the input dimension in BLOCK_K steps, decoding the (BLOCK_K, BLOCK_N) piece of
 W_hat from the trellis the table entry points to (VRAM or the host arena's UVA alias alike) straight into
 a `tl.dot`. Nothing decoded is ever stored. The Hadamard rotations and suh/svh scales stay outside, in
@@ -22,9 +26,13 @@ import triton.language as tl
 
 from .contract import Backend
 from .launch_ops import register_table_launch
-from .matrix_table import MatrixTable
-from .rotated import MatmulBackend, rotated_linear, rotated_moe
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTable
+from .rotated import MatmulBackend
+from .static_spec import LayerShape, StaticKernel
 from .triton_decode import decode_block
+from . import triton_linear, triton_moe
+from .triton_linear import fused_linear
+from .triton_moe import fused_moe
 
 
 @triton.jit
@@ -33,7 +41,7 @@ def exl3_matmul_kernel(
     row_ids_ptr, block_matrix_ptr,
     trellis_table_ptr, twice_k_table_ptr, codebook_table_ptr,
     size_k, size_n,
-    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr,
+    CODEBOOK: tl.constexpr, TWICE_K: tl.constexpr, DOT_FP16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -42,7 +50,10 @@ def exl3_matmul_kernel(
         rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = rows >= 0
         trellis = tl.load(trellis_table_ptr + matrix)
-        twice_k = tl.load(twice_k_table_ptr + matrix)
+        if TWICE_K == 0:
+            twice_k = tl.load(twice_k_table_ptr + matrix)
+        else:
+            twice_k = TWICE_K
         if CODEBOOK == -1:
             codebook = tl.load(codebook_table_ptr + matrix)
         else:
@@ -91,7 +102,7 @@ def _exl3_matmul_grid(
     exl3_matmul_kernel[grid](
         a, a.stride(0), out, out.stride(0), row_ids, block_matrix,
         table.trellis, table.twice_k, table.codebook, table.in_features, table.out_features,
-        CODEBOOK=table.uniform_codebook, DOT_FP16=a.dtype == torch.float16,
+        CODEBOOK=table.uniform_codebook, TWICE_K=table.uniform_twice_k, DOT_FP16=a.dtype == torch.float16,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
 
@@ -99,6 +110,40 @@ def _exl3_matmul_grid(
 # The kernel launch alone is an op (launch_ops.py): the checks above stay in the glue, which the no-sync proof
 # runs on the meta device.
 _launch_kernel = register_table_launch("exl3_matmul_triton", _exl3_matmul_grid)
+
+
+_SIGNATURE = {
+    "a_ptr": "*fp16", "stride_am": "i32", "c_ptr": "*fp32", "stride_cm": "i32", "row_ids_ptr": "*i32",
+    "block_matrix_ptr": "*i32", "trellis_table_ptr": "*i64", "twice_k_table_ptr": "*i32", "codebook_table_ptr": "*i32",
+    "size_k": "i32", "size_n": "i32",
+}
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """Every variant of `exl3_matmul_kernel` the backend launches for `shape`'s K (kernels/static_spec.py): each
+    codebook as a constexpr and the mixed-table one, with fp16 products (fp16 and bf16 models: bf16 inputs are
+    rounded to fp16) and exact fp32 ones (fp32 models); and the mixed-K one (MUL1 and mixed codebooks, fp16),
+    which holds every rate's branch in its loop. Sizes are runtime arguments."""
+    codebooks = {cb.value: cid for cb, cid in CODEBOOK_IDS.items()} | {"mixed": MIXED_CODEBOOKS}
+    variants = [(f"{name},{dtype}", cid, int(2 * shape.k_bits), dtype)
+                for dtype in ("fp16", "fp32") for name, cid in codebooks.items()]
+    variants += [(f"{name},mixed-k,fp16", codebooks[name], MIXED_RATES, "fp16") for name in ("mul1", "mixed")]
+    return [
+        StaticKernel(
+            name=f"exl3_matmul[{label}]", fn=exl3_matmul_kernel, signature=_SIGNATURE | {"a_ptr": f"*{dtype}"},
+            constexprs={"CODEBOOK": cid, "TWICE_K": twice_k, "DOT_FP16": dtype == "fp16", "BLOCK_M": BLOCK_M,
+                        "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
+            num_warps=4, num_stages=3, weights_per_iteration=BLOCK_K * BLOCK_N, dtype=dtype,
+            trellis_arg="trellis_table_ptr",
+        )
+        for label, cid, twice_k, dtype in variants
+    ]
+
+
+def backend_static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What the backend launches (kernels/static_spec.py): the fused MoE and dense kernels; `static_kernels`
+    above lists the matmul launcher the tests read W_hat through."""
+    return triton_moe.static_kernels(shape) + triton_linear.static_kernels(shape)
 
 
 def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -126,6 +171,6 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 BACKEND = Backend(
     name="triton", description="the Triton kernels", auto_on=("cuda",), graph_safe=True, unavailable=triton_unavailable,
-    build_moe=lambda layer: rotated_moe(layer, TRITON_MATMUL),
-    build_linear=lambda layer: rotated_linear(layer, TRITON_MATMUL),
+    build_moe=lambda layer: fused_moe(layer),
+    build_linear=lambda layer: fused_linear(layer),
 )

@@ -4,6 +4,10 @@ One layer of 8 experts (K=3 MUL1, hidden 2048, intermediate 768, random trellis)
 8, so each forward reads every weight once: the compiled CPU kernel, the torch reference backend (experts in
 the host tier, decoded on each use) and a dense fp32 torch matmul of the same shapes (the speed a decoded copy
 would give, at 10x the memory). Reported in billions of weights per second, at 1 and 8 tokens.
+
+With --static, no timing: the Triton backend's kernels compiled for sm_90 and sm_120 (no GPU needed), their
+registers, spills, shared memory, trellis load width and decode-loop instructions per weight, the launches of its
+forwards counted under Triton's interpreter, and an estimate of the decode time per MoE layer (tools/static_report.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from ..exl3.decode import dequantize
 from ..kernels.activation import silu_and_mul
 from .random_layers import median_seconds, random_moe
 
+TRITON_KERNELS = "vllm_expert_offload.kernels.triton_exl3:backend_static_kernels"
+TRITON_BACKEND = "vllm_expert_offload.kernels.triton_exl3:BACKEND"
+
+
+def estimate_kernel(shape) -> str:
+    """The kernel whose facts the decode-time estimate uses: the MoE gate/up kernel's batch-1 variant."""
+    return f"moe_gate_up[{shape.codebook},fp16,decode]"
+
+
 SHAPE = {"hidden": 2048, "intermediate": 768, "experts": 8, "k": 3}
 CPU = torch.device("cpu")
 
@@ -32,6 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--static", action="store_true",
+                        help="compile the Triton kernels for sm_90/sm_120 and report their static facts instead")
     parser.add_argument("--shape", type=json.loads, default=SHAPE, help=argparse.SUPPRESS)  # tests use a tiny one
     parser.set_defaults(handler=run)
 
@@ -72,7 +87,27 @@ def measure(shape: dict, repeats: int) -> dict:
     return result
 
 
+def run_static(path: Path) -> int:
+    """The static report: compiles and the launch census each in a child Python (static_kernels.py, launch_census.py)."""
+    from . import static_kernels, static_report
+    from .launch_census import census_report
+
+    targets = static_kernels.compile_report(TRITON_KERNELS, static_report.SHAPES)
+    print("counting launches under Triton's interpreter", flush=True)
+    launches = census_report(TRITON_BACKEND)
+    report = {"targets": targets, "launches": launches}
+    report["estimates"] = static_report.estimates(targets, launches, estimate_kernel)
+    report["shapes"] = static_report.shapes_json()
+    report["ptxas"] = static_kernels.ptxas_version()
+    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print("\n".join(static_report.summary_lines(report)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.static:
+        return run_static(args.json)
     measured = measure(args.shape, args.repeats)
     report = {
         **measured["1_tokens"],

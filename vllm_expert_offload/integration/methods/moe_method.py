@@ -222,6 +222,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.kernel = build_moe_kernel(self.kernels, MoELayer(
             experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
+            top_k=self.moe.experts_per_token, capture_rows=self.quant_config.capture_sizes(),
             cache=self.cache,
         ))
         # What the read counters need each forward: which experts are in GPU memory now, and their sizes.

@@ -1,0 +1,304 @@
+"""The fused Triton kernels (kernels/triton_moe.py, kernels/triton_linear.py) under TRITON_INTERPRET=1.
+
+References: the torch table kernel (`TableMoE`) for MoE layers and the dequantized product for dense linears,
+as in test_exl3_kernels.py, within the same tolerance; launches counted with support/launch_census.py. Sizes
+stay small: the interpreter costs milliseconds per program.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from vllm_expert_offload.exl3 import parse_linear
+from vllm_expert_offload.exl3.naming import PROJECTIONS
+from vllm_expert_offload.kernels import triton_linear, triton_moe
+from vllm_expert_offload.kernels.contract import ExpertCrop
+from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
+from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
+from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE, _block_rows, fused_moe
+from vllm_expert_offload.tools.launch_census import count_launches
+
+from support.layers import make_layer
+from support.meta_proof import (
+    BAD_PATTERNS,
+    HOST_SYNC_ON_META,
+    META,
+    assert_all_on_meta,
+    forward_on_meta,
+    meta_moe_layer,
+    meta_routing,
+    planted,
+)
+from support.moe_layers import (
+    CPU,
+    FULL,
+    HIDDEN,
+    TIERS,
+    NoHostSync,
+    assert_close_to_reference,
+    expert_sets,
+    placed_moe,
+    routing,
+)
+
+SPLIT = (2, 2)  # (gate/up parts, down parts) at decode: down's 256 inputs really split; gate's 128 leave part 1 empty
+
+
+def _builder(split: tuple[int, int]):
+    return lambda layer: fused_moe(layer, split)
+
+
+@pytest.fixture(scope="module")
+def fused_layer():
+    return placed_moe(FULL, _builder(SPLIT))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 64, 300])
+def test_fused_moe_matches_table_kernel(fused_layer, tokens: int) -> None:
+    """Decode (one program per slot, in-kernel dedup, split input), 17-64 tokens (dedup, 64-row blocks) and
+    prefill (rows sorted by expert into 64-row blocks) against the torch reference."""
+    reference, fused, _ = fused_layer
+    x, weights, ids = routing(tokens, seed=tokens)
+    assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
+
+
+def test_fused_moe_unsplit_matches_split() -> None:
+    """The decode path without a split input (what a small GPU gets) computes the same layer."""
+    reference, fused, _ = placed_moe(FULL, _builder((1, 1)))
+    x, weights, ids = routing(3, seed=3)
+    assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
+
+
+@pytest.mark.parametrize("tokens", [5, 20])
+def test_fused_moe_router_weight_on_input(fused_layer, tokens: int) -> None:
+    reference, fused, _ = fused_layer
+    x, weights, ids = routing(tokens, seed=1)
+    want = reference.forward(x, weights, ids, True)
+    assert_close_to_reference(fused.forward(x, weights, ids, True), want)
+    assert not torch.allclose(want, reference.forward(x, weights, ids, False), rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("crop", "swiglu_limit"),
+    [(ExpertCrop(100, 96, 32), None), (ExpertCrop(HIDDEN, 64, 192), 0.5)],  # as test_exl3_kernels.py
+)
+def test_fused_moe_tensor_parallel_crop_and_clamp(crop: ExpertCrop, swiglu_limit: float | None) -> None:
+    reference, fused, _ = placed_moe(crop, _builder((2, 1)), swiglu_limit, seed=1)
+    for tokens in (3, 20):
+        x, weights, ids = routing(tokens, seed=tokens)
+        x = x[:, : crop.hidden].contiguous()
+        assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
+
+
+def test_fused_moe_half_precision_activations() -> None:
+    """fp16/bf16 models multiply in fp16 after the in-kernel rotation (as exllamav3): close to fp32, in x's dtype."""
+    reference, fused, _ = placed_moe(FULL, _builder((1, 1)))
+    x, weights, ids = routing(3, seed=3)
+    want = reference.forward(x, weights, ids, False)
+    fused_half = placed_moe(FULL, lambda layer: FusedTritonMoE(
+        layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, torch.float16, CPU, top_k=2))[1]
+    for dtype in (torch.float16, torch.bfloat16):
+        got = fused_half.forward(x.to(dtype), weights, ids, False)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@triton.jit
+def _probe_block_rows(ids_ptr, num_slots, matrix_ptr, rows_ptr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      SLOTS_P2: tl.constexpr):
+    block = tl.program_id(0)
+    matrix, rows, row_ok, first = _block_rows(ids_ptr, TOP_K, 1, ids_ptr, ids_ptr, block, num_slots, TOP_K, True,
+                                              BLOCK_M, SLOTS_P2)
+    tl.store(matrix_ptr + block * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, matrix, first.to(tl.int32)))
+    tl.store(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), tl.where(row_ok, rows, -1))
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "block_m"), [(1, 2, 16), (8, 2, 16), (16, 4, 16), (40, 3, 64)])
+def test_each_selected_expert_is_led_once_and_every_slot_gathered_once(tokens: int, top_k: int, block_m: int) -> None:
+    """The in-kernel dedup: one leading program per selected expert (so its trellis is read once per forward),
+    which gathers exactly the slots that chose it; the rest skip. With duplicates beyond BLOCK_M (EP maps
+    non-local experts to 0), one leader per BLOCK_M slots of that expert, the first of them marked."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    slots = tokens * top_k
+    matrix = torch.full((slots, 2), -7, dtype=torch.int32)
+    rows = torch.full((slots, block_m), -7, dtype=torch.int32)
+    _probe_block_rows[(slots,)](ids, slots, matrix, rows, TOP_K=top_k, BLOCK_M=block_m,
+                                SLOTS_P2=triton.next_power_of_2(slots))
+    flat = ids.reshape(-1)
+    leaders = [s for s in range(slots) if matrix[s, 0] >= 0]
+    assert sorted(int(matrix[s, 0]) for s in leaders) == sorted(set(flat.tolist()))  # once per expert
+    for s in leaders:
+        members = [int(r) for r in rows[s] if r >= 0]
+        assert members == [r for r in range(slots) if flat[r] == matrix[s, 0]]
+        assert matrix[s, 1] == 1
+
+
+def test_an_expert_chosen_by_more_slots_than_a_block_is_led_once_per_block() -> None:
+    ids = torch.zeros(10, 2, dtype=torch.int32)  # 20 slots of expert 0, BLOCK_M 16: two leaders
+    matrix = torch.full((20, 2), -7, dtype=torch.int32)
+    rows = torch.full((20, 16), -7, dtype=torch.int32)
+    _probe_block_rows[(20,)](ids, 20, matrix, rows, TOP_K=2, BLOCK_M=16, SLOTS_P2=32)
+    leaders = [s for s in range(20) if matrix[s, 0] >= 0]
+    assert leaders == [0, 16] and matrix[0, 1] == 1 and matrix[16, 1] == 0  # only the first writes through
+    assert [int(r) for r in rows[0] if r >= 0] == list(range(16))
+    assert [int(r) for r in rows[16] if r >= 0] == [16, 17, 18, 19]
+
+
+# --- launches -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tokens", "most"), [(1, 3), (8, 3), (64, 3), (65, 40)])
+def test_moe_forward_launches(tokens: int, most: int) -> None:
+    """Up to 64 tokens the three kernels and nothing else (no torch op at all); above, a fixed set of sorting
+    ops beside them (the same count whatever the batch: counted at 65 and 130)."""
+    _, fused, _ = placed_moe(FULL, _builder((2, 2)))
+    inputs, prefill = routing(tokens, seed=tokens), routing(130, seed=3)
+    counts = count_launches(lambda: fused.forward(*inputs, False))
+    assert sum(counts.values()) <= most, counts
+    assert [counts[f"triton::{k}"] for k in ("moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel")] == [1, 1, 1]
+    if tokens > 64:
+        assert counts == count_launches(lambda: fused.forward(*prefill, False))
+
+
+def test_launch_census_counts_the_shared_glue() -> None:
+    """Negative control: the glue the CPU backend keeps dispatches dozens of torch ops per forward."""
+    from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+
+    _, glue, _ = placed_moe(FULL, TRITON_MATMUL)
+    inputs = routing(1, seed=1)
+    assert sum(count_launches(lambda: glue.forward(*inputs, False)).values()) > 20
+
+
+@pytest.mark.parametrize(("split", "rows", "launches"), [(1, 1, 1), (2, 1, 2), (2, 33, 1)])
+def test_dense_linear_launches(split: int, rows: int, launches: int) -> None:
+    linear, x = _fused_linear(split), torch.randn(rows, 144)
+    counts = count_launches(lambda: linear.forward(x))
+    assert sum(counts.values()) == launches, counts
+
+
+# --- dense linears --------------------------------------------------------------------------------------
+
+
+def _shards() -> list[LinearShard]:
+    """As test_exl3_kernels.py: q with this rank's part at an offset inside its cover and zero padding rows, k
+    plain; the input at an offset in its cover."""
+    q = parse_linear(make_layer(3, "mul1", 256, 256, seed=5), "q")
+    k = parse_linear(make_layer(2, "mcg", 256, 128, seed=6), "k")
+    return [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
+
+
+def _fused_linear(split: int, dtype: torch.dtype = torch.float32) -> FusedTritonLinear:
+    return FusedTritonLinear(_shards(), dtype, CPU, split=split)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows", [1, 9, 33, 70])
+def test_fused_linear_matches_dequantized(split: int, rows: int) -> None:
+    x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
+    got = _fused_linear(split).forward(x)
+    assert got.shape == (rows, 304)
+    assert_close_to_reference(got, DequantizedLinear(_shards(), torch.float32, CPU).forward(x))
+    assert (got[:, 160:176] == 0).all()  # padding rows are zero (the method adds the bias)
+
+
+def test_fused_linear_half_precision() -> None:
+    x = torch.randn(3, 144)
+    want = DequantizedLinear(_shards(), torch.float32, CPU).forward(x)
+    for split in (1, 2):
+        kernel = _fused_linear(split, torch.float16)
+        for dtype in (torch.float16, torch.bfloat16):
+            got = kernel.forward(x.to(dtype))
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+# --- write-through (the expert cache's fill tables) -----------------------------------------------------
+
+
+def test_write_through_copies_every_trellis_read_and_leaves_outputs_unchanged() -> None:
+    """After one forward with fill tables for every expert, each selected expert's fill buffers equal its
+    trellises bit for bit and the others stay untouched; the output is what it was without fill tables."""
+    _, fused, _ = placed_moe(FULL, _builder((2, 2)))
+    x, weights, ids = routing(3, seed=5)
+    want = fused.forward(x, weights, ids, False)
+    buffers = {p: [torch.zeros_like(e.projections[p].trellis) for e in fused.experts] for p in PROJECTIONS}
+    fused.write_through({p: torch.tensor([b.data_ptr() for b in buffers[p]]) for p in PROJECTIONS})
+    got = fused.forward(x, weights, ids, False)
+    assert torch.equal(got, want)
+    selected = set(ids.reshape(-1).tolist())
+    for p in PROJECTIONS:
+        for e, expert in enumerate(fused.experts):
+            copied = torch.equal(buffers[p][e], expert.projections[p].trellis)
+            assert copied == (e in selected), (p, e)
+            if e not in selected:
+                assert not buffers[p][e].any()
+    fused.write_through(None)  # off: nothing more is written
+    for p in PROJECTIONS:
+        for b in buffers[p]:
+            b.zero_()
+    fused.forward(x, weights, ids, False)
+    assert not any(b.any() for p in PROJECTIONS for b in buffers[p])
+
+
+def test_write_through_only_where_the_fill_address_is_set() -> None:
+    """A 0 entry means no fill buffer: that expert reads as usual and nothing is written for it."""
+    _, fused, _ = placed_moe(FULL, _builder((1, 1)))
+    x, weights, ids = routing(20, seed=6)  # 17-64 tokens: 64-row blocks
+    chosen = int(ids[0, 0])
+    buffers = {p: torch.zeros_like(fused.experts[chosen].projections[p].trellis) for p in PROJECTIONS}
+    table = {p: torch.zeros(len(TIERS), dtype=torch.int64) for p in PROJECTIONS}
+    for p in PROJECTIONS:
+        table[p][chosen] = buffers[p].data_ptr()
+    fused.write_through(table)
+    fused.forward(x, weights, ids, False)
+    assert all(torch.equal(buffers[p], fused.experts[chosen].projections[p].trellis) for p in PROJECTIONS)
+    with pytest.raises(ValueError, match=r"fill\['gate'\] must be int64"):
+        fused.write_through({p: torch.zeros(3, dtype=torch.int32) for p in PROJECTIONS})
+
+
+# --- no host synchronisation ----------------------------------------------------------------------------
+
+
+def _meta_fused():
+    moe = fused_moe(meta_moe_layer(expert_sets(0), FULL), (2, 2))
+    layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
+    linear = FusedTritonLinear([LinearShard(layer, 0, 128, 128, 0, 128)], torch.float32, META, split=2)
+    return moe, linear
+
+
+@pytest.mark.parametrize("tokens", [3, 20, 70])  # decode (split), 64-row dedup, prefill (sorted by torch)
+def test_fused_forwards_run_with_every_tensor_on_meta(tokens: int) -> None:
+    moe, linear = _meta_fused()
+    assert_all_on_meta(moe)
+    assert_all_on_meta(linear)
+    x, weights, ids = meta_routing(tokens, 2, HIDDEN)
+    for on_input in (False, True):
+        assert forward_on_meta(moe.forward, x, weights, ids, on_input).shape == (tokens, HIDDEN)
+    assert forward_on_meta(linear.forward, x).shape == (tokens, 128)
+
+
+@pytest.mark.parametrize("pattern", ["item", "tolist", "nonzero", "copy to a host tensor"])
+def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatch: pytest.MonkeyPatch,
+                                                                       pattern: str) -> None:
+    moe, linear = _meta_fused()
+    monkeypatch.setattr(triton_moe, "_gate_up", planted(triton_moe._gate_up, BAD_PATTERNS[pattern], argument=2))
+    monkeypatch.setattr(triton_linear, "_linear", planted(triton_linear._linear, BAD_PATTERNS[pattern]))
+    x, weights, ids = meta_routing(3, 2, HIDDEN)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        moe.forward(x, weights, ids, False)
+    with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
+        linear.forward(x)
+
+
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int) -> None:
+    _, fused, _ = placed_moe(FULL, _builder((2, 2)))
+    x, weights, ids = routing(tokens, seed=tokens)
+    linear, rows = _fused_linear(2), torch.randn(tokens, 144)
+    with NoHostSync():
+        fused.forward(x, weights, ids, False)
+        linear.forward(rows)

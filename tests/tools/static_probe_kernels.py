@@ -1,0 +1,165 @@
+"""Triton kernels whose static facts are known, for tests/tools/test_static_kernels.py (loaded by file path in the
+report's compile child), listed under the StaticKernel contract:
+- `probe_kernels`: tiny kernels with 32- or 16-bit trellis loads beside 8-bit activation loads, and one whose loop
+  carries a known number of extra instructions;
+- `legacy_kernel`: the Triton matmul as it was before the ring-order decode (main at 1b7a8c5: per-weight 16-bit
+  gathers of two ring units, 64-bit arithmetic), kept here verbatim as the report's known answer: issue #24 read
+  16-bit trellis loads and 20/38/52 SASS instructions per weight (3INST/MUL1/mixed) from it;
+- `today_mul1`: the backend's current MUL1 fp16 kernel alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import triton
+import triton.language as tl
+
+from vllm_expert_offload.kernels import triton_exl3
+from vllm_expert_offload.kernels.static_spec import LayerShape, StaticKernel
+
+BLOCK = 128  # one weight per thread at 4 warps
+
+
+@triton.jit
+def _bump(x, EXTRA: tl.constexpr):
+    """x + 1, done as EXTRA + 1 chained PTX adds (inline asm, so LLVM cannot fold them)."""
+    if EXTRA == 0:
+        return tl.inline_asm_elementwise("add.u32 $0, $1, 1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u32 t; add.u32 t, $1, 1;" + " add.u32 t, t, 0;" * EXTRA + " mov.u32 $0, t; }",
+            "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def probe_kernel(table_ptr, act_ptr, out_ptr, n, WORD_BITS: tl.constexpr, EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+    """Sums a 'trellis' read through a one-entry address table (WORD_BITS-bit loads) and 8-bit 'activations'."""
+    address = tl.load(table_ptr)
+    if WORD_BITS == 32:
+        trellis = address.to(tl.pointer_type(tl.int32))
+    else:
+        trellis = address.to(tl.pointer_type(tl.int16))
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for k in range(0, n, BLOCK):
+        word = tl.load(trellis + k + offs).to(tl.int32)
+        act = tl.load(act_ptr + k + offs).to(tl.int32)
+        acc += _bump(word, EXTRA) * act
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def _legacy_lop3_halves(x):
+    """3INST/MCG: keep sign, low exponent bits and mantissa of both halves, force the exponent to 011xx,
+    add the two fp16 halves in fp32 (exact) and round once, which equals __hadd."""
+    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _legacy_codebook_value(state, codebook):
+    """16-bit state (int64) -> fp16 weight. `codebook` may be a constexpr or a runtime scalar."""
+    inst3 = _legacy_lop3_halves((state * 89226354 + 64248484) & 0xFFFFFFFF)
+    mcg = _legacy_lop3_halves((state * 0xCBAC1FED) & 0xFFFFFFFF)
+    x = (state * 0x83DCD12D) & 0xFFFFFFFF
+    bytesum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+    # __hfma(1024 + bs, fp16(0x1EEE), fp16(0xC931)): an integer numerator below 2^20, exact in fp32.
+    mul1 = (((1024 + bytesum) * 1774 - 2721792).to(tl.float32) * 3.814697265625e-06).to(tl.float16)
+    return tl.where(codebook == 0, inst3, tl.where(codebook == 1, mcg, mul1))
+
+
+@triton.jit
+def _legacy_ring_units(offs_k, offs_n, k_int, k_half):
+    """For each (row, column) of a block: the two 16-bit stream units its state window spans (already
+    swapped to storage order) and the right shift that aligns the window. Independent of the block's
+    position, because every block starts on a tile boundary."""
+    r = (offs_k % 16)[:, None]
+    c = (offs_n % 16)[None, :]
+    t = 4 * (c % 8) + (r % 8) // 2
+    j = (r % 2) + 2 * (r // 8) + 4 * (c // 8)
+    p = 8 * t + j
+    units = 16 * k_int + 8 * k_half  # int16 per tile = 16 K
+    ring = 16 * units
+    start = (p + 1) * k_int + k_half * ((p + 1) // 2) - 16
+    start = tl.where(start < 0, start + ring, start)
+    first = start // 16
+    second = tl.where(first + 1 == units, 0, first + 1)
+    return first ^ 1, second ^ 1, 16 - start % 16
+
+
+@triton.jit
+def legacy_decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`."""
+    k_int = twice_k // 2
+    k_half = twice_k % 2
+    units = 16 * k_int + 8 * k_half  # int16 per tile = 16 K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    first, second, shift = _legacy_ring_units(tl.arange(0, BLOCK_K), offs_n, k_int, k_half)
+    base = trellis.to(tl.pointer_type(tl.int16))
+    tile = ((offs_k // 16)[:, None] * (size_n // 16) + (offs_n // 16)[None, :]).to(tl.int64) * units
+    hi = tl.load(base + tile + first).to(tl.int64) & 0xFFFF
+    lo = tl.load(base + tile + second).to(tl.int64) & 0xFFFF
+    state = (((hi << 16) | lo) >> shift) & 0xFFFF
+    return _legacy_codebook_value(state, codebook)
+
+
+@triton.jit
+def legacy_matmul_kernel(
+    a_ptr, stride_am, c_ptr, stride_cm, row_ids_ptr, block_matrix_ptr, trellis_table_ptr, twice_k_table_ptr,
+    codebook_table_ptr, size_k, size_n,
+    CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    matrix = tl.load(block_matrix_ptr + block)
+    if matrix >= 0:
+        rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = rows >= 0
+        trellis = tl.load(trellis_table_ptr + matrix)
+        twice_k = tl.load(twice_k_table_ptr + matrix)
+        if CODEBOOK == -1:
+            codebook = tl.load(codebook_table_ptr + matrix)
+        else:
+            codebook = CODEBOOK
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_kb = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, size_k, BLOCK_K):
+            offs_k = k0 + offs_kb
+            a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+            w = legacy_decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N)
+            if DOT_FP16:
+                acc += tl.dot(a.to(tl.float16), w)
+            else:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc, mask=row_ok[:, None])
+
+
+def legacy_kernel(shape: LayerShape) -> list[StaticKernel]:
+    """The former kernel's MUL1 fp16 variant, as the backend launched it."""
+    (today,) = today_mul1(shape)
+    constexprs = {k: v for k, v in today.constexprs.items() if k != "TWICE_K"}
+    return [replace(today, name="legacy[mul1,fp16]", fn=legacy_matmul_kernel, constexprs=constexprs)]
+
+
+def _probe(word_bits: int, extra: int) -> StaticKernel:
+    return StaticKernel(
+        name=f"probe[{word_bits},{extra}]", fn=probe_kernel,
+        signature={"table_ptr": "*i64", "act_ptr": "*i8", "out_ptr": "*i32", "n": "i32"},
+        constexprs={"WORD_BITS": word_bits, "EXTRA": extra, "BLOCK": BLOCK},
+        num_warps=4, num_stages=1, weights_per_iteration=BLOCK, trellis_arg="table_ptr",
+    )
+
+
+def probe_kernels(shape: LayerShape) -> list[StaticKernel]:
+    return [_probe(32, 0), _probe(16, 0), _probe(32, 10)] + legacy_kernel(shape)
+
+
+def today_mul1(shape: LayerShape) -> list[StaticKernel]:
+    """The Triton backend's MUL1 fp16 kernel alone (one compile per target keeps the test short)."""
+    return [k for k in triton_exl3.static_kernels(shape) if k.name == "exl3_matmul[mul1,fp16]"]

@@ -1,0 +1,83 @@
+"""`bench-kernels --static`: the report's layout and the Triton kernel's targets (32-bit trellis loads, at most 10 PTX
+instructions per MUL1 weight at K=3, no spills), the launch counts (3 per MoE forward up to 64 tokens, the fused
+kernels), and kernels whose facts are known: the former gather decode (16-bit loads, 38 SASS instructions per MUL1
+weight, as issue #24 read them), probes with 32- vs 16-bit trellis loads beside 8-bit activation loads, and an exact
+instruction surplus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_expert_offload import cli
+from vllm_expert_offload.kernels.static_spec import LayerShape
+from vllm_expert_offload.tools import bench_kernels_cmd, ptx_analysis, static_kernels, static_report
+
+PROBES = str(Path(__file__).with_name("static_probe_kernels.py"))
+TINY = LayerShape("tiny", hidden=128, intermediate=128, experts=4, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    return static_kernels.compile_report(f"{PROBES}:probe_kernels", [TINY])
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_trellis_load_width_follows_the_table_not_the_activations(probes, target) -> None:
+    kernels = probes[target]["kernels"]
+    assert kernels["tiny/probe[32,0]"]["trellis_load_bits"] == 32  # the 8-bit activation loads are not trellis
+    assert kernels["tiny/probe[16,0]"]["trellis_load_bits"] == 16
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_decode_loop_count_sees_every_added_instruction(probes, target) -> None:
+    kernels = probes[target]["kernels"]
+    # probe[32,10]'s loop body carries 10 adds and a mov more, inline asm on one line (1 weight per thread)
+    assert kernels["tiny/probe[32,10]"]["ptx_per_weight"] - kernels["tiny/probe[32,0]"]["ptx_per_weight"] == 11
+
+
+def test_former_gather_decode_reads_16_bit_at_38_sass_instructions_per_weight(probes) -> None:
+    legacy = probes["sm_90"]["kernels"]["tiny/legacy[mul1,fp16]"]
+    assert legacy["trellis_load_bits"] == 16
+    assert 36 <= legacy["sass_per_weight"] <= 40 and 26 <= legacy["ptx_per_weight"] <= 30
+
+
+def test_wrong_trellis_argument_is_refused() -> None:
+    ptx = "ld.param.b64 %rd1, [k_param_0];\nld.global.b64 %rd2, [%rd1];\nld.global.b16 %rs1, [%rd2];\n"
+    assert [ld.opcode for ld in ptx_analysis.trellis_loads(ptx, 0, 1)] == ["ld.global.b16"]
+    assert ptx_analysis.trellis_loads(ptx, 1, 1) == []  # another parameter reads nothing of the trellis
+    assert [ld.opcode for ld in ptx_analysis.trellis_loads(ptx, 0, 0)] == ["ld.global.b64"]  # the table itself
+
+
+def test_report_layout_and_todays_kernel(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench_kernels_cmd, "TRITON_KERNELS", f"{PROBES}:today_mul1")
+    monkeypatch.setattr(bench_kernels_cmd, "estimate_kernel", lambda shape: "exl3_matmul[mul1,fp16]")
+    monkeypatch.setattr(static_report, "SHAPES", static_report.SHAPES[:1])
+    out = tmp_path / "static.json"
+    assert cli.main(["bench-kernels", "--static", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["targets"]) == {"sm_90", "sm_120"}
+    assert set(report["launches"]) == {"moe_1", "moe_8", "moe_64", "dense_1"}
+    for target in ("sm_90", "sm_120"):
+        facts = report["targets"][target]["kernels"]["Qwen3-30B-A3B/exl3_matmul[mul1,fp16]"]
+        assert {"registers", "spills", "shared_bytes", "trellis_load_bits", "ptx_per_weight"} <= set(facts)
+        assert facts["trellis_load_bits"] >= 32 and facts["spills"] == 0 and 0 < facts["registers"] <= 255
+        assert facts["ptx_per_weight"] <= 10
+        estimate = report["estimates"][target]["Qwen3-30B-A3B"]
+        assert estimate["pcie_floor_us"] > estimate["hbm_floor_us"] > 0
+    # the backend's fused kernels (issue #24): three launches per MoE forward up to 64 tokens, no torch op; a dense
+    # linear in one (two where its input is split to fill a GPU; the CPU census never splits)
+    assert report["launches"] == {"moe_1": 3, "moe_8": 3, "moe_64": 3, "dense_1": 1}
+
+
+def test_model_shapes_match_the_fixture_configs() -> None:
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    v41 = json.loads((fixtures / "deepseek_v41_flash" / "config.json").read_text())["text_config"]
+    qwen, dsv41 = static_report.SHAPES
+    assert (dsv41.hidden, dsv41.intermediate * 2, dsv41.experts, dsv41.top_k) == (
+        v41["hidden_size"], v41["moe_intermediate_size"], v41["n_routed_experts"], v41["num_experts_per_tok"])
+    q = json.loads((fixtures / "qwen3_30b_a3b" / "config.json").read_text())
+    assert (qwen.hidden, qwen.intermediate, qwen.experts, qwen.top_k) == (
+        q["hidden_size"], q["moe_intermediate_size"], q["num_experts"], q["num_experts_per_tok"])

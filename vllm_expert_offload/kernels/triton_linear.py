@@ -1,0 +1,227 @@
+"""A dense EXL3 linear (every shard of one vLLM layer) in one Triton launch, or two when its input is split.
+
+The layer's output is the concatenation, per shard, of this rank's part of the shard's 128-aligned cover,
+followed by zero padding rows (a padded vocabulary); the shards' covers are cut into 128-wide output pieces,
+listed at load in one small int64 table (`PIECE_FIELDS` per piece). A program takes BLOCK_M rows and one piece:
+the input at the shard's offset inside its cover, ⊙ suh and rotated in-kernel, multiplied by the decoded piece
+of W_hat (`triton_decode.decode_block`) over the 128-wide input pieces of its part, rotated back ⊙ svh.
+- one part (`linear_kernel` alone): the program stores the cropped piece straight into the output, cast to the
+  model's dtype; the program of a shard's first piece also zeroes the shard's padding rows;
+- several parts (decode, so that the grid fills the GPU at batch 1; `triton_fused.split_for`): each part stores
+  its fp32 partial (rotation and svh are linear), and `linear_finish_kernel` sums the parts in order
+  (deterministic), crops, pads and casts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .contract import LinearLayer
+from .launch_ops import register_launch
+from .linear import LinearShard
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
+from .static_spec import LayerShape, StaticKernel
+from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard,
+                           load_hadamard_half, rotated_product, split_for)
+
+PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
+                "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
+CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}
+FINISH_BLOCK = 256
+SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up to LARGE_ROWS rows, then 64
+
+
+@triton.jit
+def linear_kernel(
+    x_ptr, stride_xm, rows, pieces_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, stride_om, partial_ptr, partial_cols,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """One (BLOCK_M rows, 128-wide output piece, part of the input) product; see the module docstring."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    piece = pieces_ptr + tl.program_id(1) * 16
+    trellis = tl.load(piece + 0)
+    if TWICE_K == 0:
+        twice_k = tl.load(piece + 1).to(tl.int32)
+    else:
+        twice_k = TWICE_K
+    if CODEBOOK == -1:
+        codebook = tl.load(piece + 2).to(tl.int32)
+    else:
+        codebook = CODEBOOK
+    size_k = tl.load(piece + 3)
+    size_n = tl.load(piece + 4)
+    n0 = tl.load(piece + 5)
+    in_offset = tl.load(piece + 6)
+    in_size = tl.load(piece + 7)
+    suh_at = tl.load(piece + 8)
+    part = tl.program_id(2)
+    parts = tl.num_programs(2)
+    steps = size_k // 128
+    per_part = (steps + parts - 1) // parts
+    offs = tl.arange(0, 128)
+    had = load_hadamard(had_ptr)
+    had_lo = load_hadamard_half(had_ptr, 0)
+    had_hi = load_hadamard_half(had_ptr, 1)
+    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+        k0 = step * 128
+        column = k0 + offs - in_offset  # the input column each cover column reads
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + column[None, :],
+                    mask=row_ok[:, None] & ((column >= 0) & (column < in_size))[None, :], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + suh_at + k0 + offs).to(tl.float32)
+        acc = rotated_product(acc, a, suh, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+    svh = tl.load(svh_ptr + tl.load(piece + 9) + n0 + offs).to(tl.float32)
+    y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
+    cover = n0 + offs
+    if DIRECT:
+        keep = (cover >= tl.load(piece + 11)) & (cover < tl.load(piece + 12))
+        out_col = cover + tl.load(piece + 10)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + out_col[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & keep[None, :])
+        if n0 == 0:  # the shard's zero padding rows
+            pad_lo = tl.load(piece + 13)
+            pad_hi = tl.load(piece + 14)
+            zeros = tl.zeros((BLOCK_M, 128), dtype=out_ptr.dtype.element_ty)
+            for col in range(pad_lo, pad_hi, 128):
+                pad = col + offs
+                tl.store(out_ptr + offs_m[:, None] * stride_om + pad[None, :], zeros,
+                         mask=row_ok[:, None] & (pad < pad_hi)[None, :])
+    else:
+        column = tl.load(piece + 15) + n0 + offs
+        tl.store(partial_ptr + (part * rows + offs_m[:, None]) * partial_cols + column[None, :], y,
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def linear_finish_kernel(partial_ptr, parts, rows, partial_cols, source_ptr, out_ptr, stride_om, out_features,
+                         BLOCK: tl.constexpr):
+    """out[r, o] = Σ_part partial[part, r, source[o]] in order (0 where source[o] is -1: padding), cast."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < out_features
+    source = tl.load(source_ptr + offs, mask=ok, other=-1)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for part in range(parts):
+        acc += tl.load(partial_ptr + (part * rows + row) * partial_cols + source, mask=source >= 0, other=0.0)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_linear(x, pieces, had, suh, svh, out, partial, twice_k, codebook, block_m, dot_fp16):
+    rows, parts, partial_cols = x.shape[0], partial.shape[0], partial.shape[2]
+    linear_kernel[(triton.cdiv(rows, block_m), pieces.shape[0], parts)](
+        x, x.stride(0), rows, pieces, had, suh, svh, out, out.stride(0), partial, partial_cols,
+        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
+        num_warps=MATMUL_WARPS,
+    )
+
+
+def _launch_finish(partial, source, out):
+    parts, rows, partial_cols = partial.shape
+    linear_finish_kernel[(rows, triton.cdiv(out.shape[1], FINISH_BLOCK))](
+        partial, parts, rows, partial_cols, source, out, out.stride(0), out.shape[1], BLOCK=FINISH_BLOCK)
+
+
+_linear = register_launch(
+    "linear_triton",
+    "Tensor x, Tensor pieces, Tensor had, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int twice_k, "
+    "int codebook, int block_m, bool dot_fp16",
+    _launch_linear,
+)
+_finish = register_launch("linear_finish_triton", "Tensor partial, Tensor source, Tensor(a!) out", _launch_finish)
+
+
+def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[int]]:
+    """(one PIECE_FIELDS row per 128-wide piece of every cover, the partial column of each output column or -1)."""
+    pieces, source = [], []
+    suh_at = svh_at = out_base = partial_base = 0
+    for shard in shards:
+        layer = shard.layer
+        fields = dict(trellis=layer.trellis.data_ptr(), twice_k=int(2 * layer.k), codebook=CODEBOOK_IDS[layer.codebook],
+                      size_k=layer.in_features, size_n=layer.out_features, in_offset=shard.in_offset,
+                      in_size=shard.in_size, suh=suh_at, svh=svh_at, out_shift=out_base - shard.out_offset,
+                      out_lo=shard.out_offset, out_hi=shard.out_offset + shard.out_valid,
+                      pad_lo=out_base + shard.out_valid, pad_hi=out_base + shard.out_rows)
+        for n0 in range(0, layer.out_features, PIECE):
+            pieces.append([{**fields, "n0": n0, "partial_col": partial_base}[name] for name in PIECE_FIELDS])
+        source += [partial_base + shard.out_offset + i for i in range(shard.out_valid)]
+        source += [-1] * (shard.out_rows - shard.out_valid)
+        suh_at += layer.in_features
+        svh_at += layer.out_features
+        out_base += shard.out_rows
+        partial_base += layer.out_features
+    return pieces, source
+
+
+class FusedTritonLinear:
+    """Dense shards through `linear_kernel` (and `linear_finish_kernel` when the input is split)."""
+
+    def __init__(self, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device,
+                 capture_rows: tuple[int, ...] = (), split: int | None = None) -> None:
+        self.shards = [shard.to(device) for shard in shards]  # owned: the piece table holds their addresses
+        pieces, source = _piece_table(self.shards)
+        self.pieces = torch.tensor(pieces, dtype=torch.int64, device=device)
+        self.source = torch.tensor(source, dtype=torch.int32, device=device)
+        self.suh = torch.cat([s.layer.suh for s in self.shards]).to(device)
+        self.svh = torch.cat([s.layer.svh for s in self.shards]).to(device)
+        codebooks = {CODEBOOK_IDS[s.layer.codebook] for s in self.shards}
+        self.codebook = codebooks.pop() if len(codebooks) == 1 else MIXED_CODEBOOKS
+        rates = {int(2 * s.layer.k) for s in self.shards}
+        self.twice_k = rates.pop() if len(rates) == 1 else MIXED_RATES
+        self.out_features = len(source)
+        self.partial_cols = sum(s.layer.out_features for s in self.shards)
+        self.had = hadamard(device)
+        self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
+        self.device = device
+        steps = max(s.layer.in_features for s in self.shards) // PIECE
+        self.split = split or split_for(steps, len(pieces), fill_target(device))  # at up to SMALL_BLOCK_M rows
+        self.no_partial = torch.zeros(1, 1, 1, device=device)  # what the one-part launch is handed, unread
+        if self.split > 1:
+            WORKSPACES.reserve(device, "linear_partial", self.split * SMALL_BLOCK_M * self.partial_cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W of every shard, concatenated, without bias."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        count = rows.shape[0]
+        block_m = SMALL_BLOCK_M if count <= LARGE_ROWS else LARGE_BLOCK_M
+        parts = self.split if count <= SMALL_BLOCK_M else 1
+        out = torch.empty(count, self.out_features, dtype=x.dtype, device=x.device)
+        if parts == 1:
+            partial = self.no_partial
+        else:
+            partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
+        _linear(rows, self.pieces, self.had, self.suh, self.svh, out, partial, self.twice_k, self.codebook, block_m,
+                self.dot_fp16)
+        if parts > 1:
+            _finish(partial, self.source, out)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
+    return FusedTritonLinear(layer.shards, layer.dtype, layer.device, layer.capture_rows)
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
+    the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook.
+    (The finish kernel reads no trellis.)"""
+    signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64", "had_ptr": "*fp32",
+                 "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
+                 "partial_ptr": "*fp32", "partial_cols": "i32"}
+    return [
+        StaticKernel(
+            f"linear[{shape.codebook},{dtype},{'direct' if direct else 'split'}]", linear_kernel,
+            signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+            {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
+             "DOT_FP16": dtype != "fp32", "BLOCK_M": SMALL_BLOCK_M, "DIRECT": direct},
+            MATMUL_WARPS, 3, PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
+        )
+        for dtype in ("fp16", "bf16", "fp32") for direct in (True, False)
+    ]

@@ -1,0 +1,413 @@
+"""One MoE layer's routed experts in three Triton launches: gate+up, down, and the per-token sum.
+
+Rows are slots: slot s = t·top_k + j is token t's j-th pick, expert topk_ids[t, j]. A program takes up to
+BLOCK_M slots of one expert and one 128-wide piece of the output (and one part of the input dimension when it
+is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots that chose the expert:
+- up to `DEDUP_MAX_TOKENS` tokens: the grid has one program per slot; a program leads when its slot's rank
+  among the slots of its expert is a multiple of BLOCK_M (16 up to `DECODE_MAX_TOKENS` tokens, else 64), and
+  gathers the slots of that expert ranked from there on; the others exit at once. No torch op builds this:
+  the program reads the routing ids itself. With distinct experts per token (vLLM's top-k), no more slots than
+  BLOCK_M share an expert, so each selected expert's trellis is read exactly once per forward;
+- prefill (more tokens): slots sorted by expert into blocks of 64 (`expert_blocks.grouped_blocks`, a fixed
+  set of about 25 small torch ops), so a piece of W_hat is decoded once per 64 slots.
+
+1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
+   input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
+   multiplied; the two fp32 accumulators stored as this part's partial sums (not yet rotated back).
+2. `moe_down_kernel`: per 128-wide piece of the intermediate: gate and up summed over parts in order, rotated
+   back (⊙ svh), clamped (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels (`keep_channels`),
+   ⊙ suh of down and rotated in; down decoded and multiplied; the output piece rotated back, ⊙ svh, times the
+   router weight (unless applied on the input), stored per slot and part.
+3. `moe_sum_kernel`: each token's slots (and parts) summed in a fixed order (deterministic), cast to the
+   model's dtype.
+Up to `DECODE_MAX_TOKENS` tokens the kernels split the input dimension of gate/up and of down so that the grid
+fills the GPU at batch 1 (`triton_fused.split_for`); larger batches never split. Workspaces come from
+`triton_fused.WORKSPACES`, reserved when the layer is built for its largest captured batch.
+
+Write-through (issue #26's expert cache): `fill` tables, one int64 per expert per projection (0 = none, else
+the address of a buffer with the same trellis layout). With a fill table, every trellis word the kernels read
+of an expert with a fill address is also stored at the same offset of its fill buffer, exactly once per forward
+(only the program that leads the expert's first block of slots, and the first part of a split, writes each
+piece). Without one the kernels are compiled without the copy and cost nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..exl3.naming import PROJECTIONS
+from ..memory.arena import HostArena
+from ..offload.tiers import PlacedExpert
+from .contract import ExpertCrop, MoELayer
+from .expert_blocks import grouped_blocks
+from .launch_ops import register_launch
+from .matrix_table import matrix_table
+from .pointer_tables import PointerTables, ScaleStacks
+from .static_spec import LayerShape, StaticKernel
+from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
+                           rotated_product, split_for, write_through)
+
+DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
+DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
+DECODE_BLOCK_M = 16  # tl.dot's minimum
+PREFILL_BLOCK_M = 64
+SUM_BLOCK = 256  # output columns per program of the sum kernel
+
+
+@triton.jit
+def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, block, num_slots,
+                TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr):
+    """(matrix or -1 to skip, slot of each of the BLOCK_M rows, which rows are real, writes the fill copy)."""
+    m = tl.arange(0, BLOCK_M)
+    if DEDUP:
+        offs = tl.arange(0, SLOTS_P2)
+        every = tl.load(ids_ptr + (offs // TOP_K) * stride_i0 + (offs % TOP_K) * stride_i1,
+                        mask=offs < num_slots, other=-1).to(tl.int32)
+        mine = tl.load(ids_ptr + (block // TOP_K) * stride_i0 + (block % TOP_K) * stride_i1).to(tl.int32)
+        match = every == mine
+        rank = tl.cumsum(match.to(tl.int32), 0) - 1
+        my_rank = tl.sum(tl.where(offs == block, rank, 0))
+        chosen = match[None, :] & (rank[None, :] == my_rank + m[:, None])  # (BLOCK_M, SLOTS_P2)
+        rows = tl.sum(tl.where(chosen, offs[None, :], 0), axis=1)
+        row_ok = tl.sum(chosen.to(tl.int32), axis=1) > 0
+        matrix = tl.where(my_rank % BLOCK_M == 0, mine, -1)
+        first = my_rank == 0
+    else:
+        rows = tl.load(row_ids_ptr + block * BLOCK_M + m)
+        row_ok = rows >= 0
+        matrix = tl.load(block_matrix_ptr + block)
+        before = tl.load(block_matrix_ptr + tl.maximum(block - 1, 0))
+        first = (block == 0) | (before != matrix)
+    return matrix, rows, row_ok, first
+
+
+@triton.jit
+def _piece_product(acc, a, scale, had_lo, had_hi, trellis_table, twice_k_table, codebook_table, fill_table, matrix,
+                   k0, n0, size_n, write, TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr,
+                   FILL: tl.constexpr):
+    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128] of `matrix` in a table (2K and codebook constexprs when the
+    table is uniform, else read per matrix); the piece's trellis words copied to the matrix's fill address first
+    when this program writes through and there is one."""
+    trellis = tl.load(trellis_table + matrix)
+    if TWICE_K == 0:
+        twice_k = tl.load(twice_k_table + matrix)
+    else:
+        twice_k = TWICE_K
+    if CODEBOOK == -1:
+        codebook = tl.load(codebook_table + matrix)
+    else:
+        codebook = CODEBOOK
+    if FILL:
+        fill = tl.load(fill_table + matrix)
+        if write & (fill != 0):
+            write_through(trellis, fill, k0, n0, size_n, twice_k)
+    return rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
+    row_ids_ptr, block_matrix_ptr, had_ptr, suh_gate_ptr, suh_up_ptr,
+    gate_trellis, gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill,
+    size_k, size_n, steps, partial_ptr,
+    TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
+    TWICE_K_GATE: tl.constexpr, TWICE_K_UP: tl.constexpr, CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr,
+    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """partial[part, 0|1, slot, n0:+128] = had(x ⊙ suh) @ W_hat(gate|up) over this part's input pieces."""
+    matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
+                                              tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
+    if matrix >= 0:
+        n0 = tl.program_id(1) * 128
+        part = tl.program_id(2)
+        offs = tl.arange(0, 128)
+        tokens = rows // TOP_K
+        had_lo = load_hadamard_half(had_ptr, 0)
+        had_hi = load_hadamard_half(had_ptr, 1)
+        route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
+        acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        per_part = tl.cdiv(steps, tl.num_programs(2))
+        for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+            k0 = step * 128
+            offs_k = k0 + offs
+            a = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
+                        mask=row_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)
+            if ROUTE_ON_INPUT:
+                a = a * route.to(tl.float32)[:, None]
+            suh = tl.load(suh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)
+            acc_gate = _piece_product(acc_gate, a, suh, had_lo, had_hi, gate_trellis, gate_twice_k, gate_codebook,
+                                      gate_fill, matrix, k0, n0, size_n, first, TWICE_K_GATE, CODEBOOK_GATE,
+                                      DOT_FP16, FILL)
+            suh = tl.load(suh_up_ptr + matrix * size_k + offs_k).to(tl.float32)
+            acc_up = _piece_product(acc_up, a, suh, had_lo, had_hi, up_trellis, up_twice_k, up_codebook, up_fill,
+                                    matrix, k0, n0, size_n, first, TWICE_K_UP, CODEBOOK_UP, DOT_FP16, FILL)
+        out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + n0 + offs[None, :]
+        tl.store(out, acc_gate, mask=row_ok[:, None])
+        tl.store(out + num_slots * size_n, acc_up, mask=row_ok[:, None])
+
+
+@triton.jit
+def moe_down_kernel(
+    partial_ptr, gate_parts, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
+    row_ids_ptr, block_matrix_ptr, had_ptr, svh_gate_ptr, svh_up_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
+    swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
+    TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    CLAMP: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """out[part, slot, n0:+128] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces."""
+    matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
+                                              tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
+    if matrix >= 0:
+        n0 = tl.program_id(1) * 128
+        part = tl.program_id(2)
+        offs = tl.arange(0, 128)
+        had = load_hadamard(had_ptr)
+        had_lo = load_hadamard_half(had_ptr, 0)
+        had_hi = load_hadamard_half(had_ptr, 1)
+        acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        per_part = tl.cdiv(steps, tl.num_programs(2))
+        for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
+            k0 = step * 128
+            offs_k = k0 + offs
+            gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+            for gate_part in range(gate_parts):  # in order: deterministic
+                where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k + offs_k[None, :]
+                gate += tl.load(where, mask=row_ok[:, None], other=0.0)
+                up += tl.load(where + num_slots * size_k, mask=row_ok[:, None], other=0.0)
+            gate = tl.dot(gate, had, input_precision="ieee") * tl.load(svh_gate_ptr + matrix * size_k + offs_k).to(
+                tl.float32)[None, :]
+            up = tl.dot(up, had, input_precision="ieee") * tl.load(svh_up_ptr + matrix * size_k + offs_k).to(
+                tl.float32)[None, :]
+            if CLAMP:
+                gate = tl.minimum(gate, swiglu_limit)
+                up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+            act = gate * tl.sigmoid(gate) * up * tl.load(keep_ptr + offs_k)[None, :]
+            suh = tl.load(suh_down_ptr + matrix * size_k + offs_k).to(tl.float32)
+            acc = _piece_product(acc, act, suh, had_lo, had_hi, down_trellis, down_twice_k, down_codebook, down_fill,
+                                 matrix, k0, n0, size_n, first, TWICE_K, CODEBOOK, DOT_FP16, FILL)
+        svh = tl.load(svh_down_ptr + matrix * size_n + n0 + offs).to(tl.float32)
+        y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
+        if not ROUTE_ON_INPUT:
+            route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
+                            other=0.0)
+            y = y * route.to(tl.float32)[:, None]
+        tl.store(out_ptr + (part * num_slots + rows[:, None]) * size_n + n0 + offs[None, :], y,
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, TOP_K: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype."""
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOP_K):
+        for part in range(parts):
+            acc += tl.load(y_ptr + (part * num_slots + token * TOP_K + j) * size_n + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up, gate_trellis, gate_twice_k,
+                    gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
+                    twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
+    parts, _, num_slots, size_n = partial.shape
+    size_k = suh_gate.shape[1]
+    blocks = num_slots if dedup else block_matrix.shape[0]
+    fill = gate_fill is not None
+    moe_gate_up_kernel[(blocks, size_n // PIECE, parts)](
+        x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
+        num_slots, row_ids, block_matrix, had, suh_gate, suh_up,
+        gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
+        up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
+        size_k, size_n, size_k // PIECE, partial,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
+        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
+        FILL=fill, num_warps=MATMUL_WARPS,
+    )
+
+
+def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
+                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, block_m,
+                 dedup, route_on_input, dot_fp16):
+    parts, num_slots, size_n = out.shape
+    size_k = keep.shape[0]
+    blocks = num_slots if dedup else block_matrix.shape[0]
+    fill = down_fill is not None
+    moe_down_kernel[(blocks, size_n // PIECE, parts)](
+        partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
+        num_slots, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
+        0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
+        down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
+        CLAMP=swiglu_limit is not None,
+        FILL=fill, num_warps=MATMUL_WARPS,
+    )
+
+
+def _launch_sum(y, out, top_k):
+    parts, num_slots, size_n = y.shape
+    tokens, hidden = out.shape
+    moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        y, parts, num_slots, size_n, hidden, out, out.stride(0), TOP_K=top_k, BLOCK=SUM_BLOCK)
+
+
+_ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix, Tensor had"
+_FLAGS = "int block_m, bool dedup, bool route_on_input, bool dot_fp16"
+_gate_up = register_launch(
+    "moe_gate_up_triton",
+    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor gate_trellis, Tensor gate_twice_k, "
+    "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
+    f"Tensor? up_fill, Tensor(a!) partial, int twice_k_gate, int twice_k_up, int codebook_gate, int codebook_up, "
+    f"{_FLAGS}",
+    _launch_gate_up,
+)
+_down = register_launch(
+    "moe_down_triton",
+    f"Tensor partial, {_ROUTING}, Tensor svh_gate, Tensor svh_up, Tensor keep, Tensor suh_down, Tensor svh_down, "
+    "Tensor down_trellis, Tensor down_twice_k, Tensor down_codebook, Tensor? down_fill, Tensor(a!) out, "
+    f"float? swiglu_limit, int twice_k, int codebook, {_FLAGS}",
+    _launch_down,
+)
+_sum = register_launch("moe_sum_triton", "Tensor y, Tensor(a!) out, int top_k", _launch_sum)
+
+
+class FusedTritonMoE:
+    """A MoE layer's routed experts through the three kernels above (see the module docstring)."""
+
+    def __init__(self, experts: list[PlacedExpert], tables: PointerTables, scales: ScaleStacks,
+                 arena: HostArena | None, crop: ExpertCrop, dtype: torch.dtype, device: torch.device,
+                 swiglu_limit: float | None = None, top_k: int = 1, capture_rows: tuple[int, ...] = (),
+                 split: tuple[int, int] | None = None) -> None:
+        # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
+        self.experts = list(experts)
+        self.arena = arena
+        self.tables = {
+            p: matrix_table([e.projections[p] for e in experts], tables.table(p, "trellis"), device)
+            for p in PROJECTIONS
+        }
+        self.scales = scales
+        self.num_experts = len(experts)
+        self.hidden = crop.hidden
+        self.swiglu_limit = swiglu_limit
+        self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
+        self.device = device
+        self.had = hadamard(device)
+        intermediate = self.tables["gate"].out_features
+        keep = torch.zeros(intermediate, device=device)
+        keep[crop.offset : crop.offset + crop.intermediate] = 1.0
+        self.keep_channels = keep
+        self.no_blocks = torch.zeros(1, dtype=torch.int32, device=device)  # decode's unread row_ids/block_matrix
+        self.fill: dict[str, torch.Tensor] | None = None  # write_through()
+        hidden_out = self.tables["down"].out_features
+        if split is None:
+            target = fill_target(device)
+            split = (split_for(self.tables["gate"].in_features // PIECE, top_k * intermediate // PIECE, target),
+                     split_for(intermediate // PIECE, top_k * hidden_out // PIECE, target))
+        self.split = split  # (gate/up parts, down parts) at decode
+        decode_slots = DECODE_MAX_TOKENS * top_k
+        slots = max(max(capture_rows, default=0) * top_k, decode_slots)
+        WORKSPACES.reserve(device, "moe_partial", max(split[0] * decode_slots, slots) * 2 * intermediate)
+        WORKSPACES.reserve(device, "moe_out", max(split[1] * decode_slots, slots) * hidden_out)
+
+    def write_through(self, fill: dict[str, torch.Tensor] | None) -> None:
+        """From the next forward on, copy every trellis word read of expert e's projection p to the address
+        fill[p][e] (int64 per expert, 0 = none; a buffer with the trellis's layout), once per forward; None stops."""
+        if fill is not None:
+            for p in PROJECTIONS:
+                if fill[p].dtype != torch.int64 or fill[p].shape != (self.num_experts,):
+                    raise ValueError(f"fill[{p!r}] must be int64 ({self.num_experts},), got {fill[p].dtype} "
+                                     f"{tuple(fill[p].shape)}")
+        self.fill = fill
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
+    ) -> torch.Tensor:
+        """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
+        tokens, top_k = topk_ids.shape
+        slots = tokens * top_k
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if tokens <= DECODE_MAX_TOKENS:
+            dedup, block_m, (gate_parts, down_parts) = True, DECODE_BLOCK_M, self.split
+            row_ids = block_matrix = self.no_blocks
+        elif tokens <= DEDUP_MAX_TOKENS:
+            dedup, block_m, gate_parts, down_parts = True, PREFILL_BLOCK_M, 1, 1
+            row_ids = block_matrix = self.no_blocks
+        else:
+            dedup, block_m, gate_parts, down_parts = False, PREFILL_BLOCK_M, 1, 1
+            row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, block_m)
+        gate, up, down = (self.tables[p] for p in PROJECTIONS)
+        fill = self.fill or {}
+        partial = WORKSPACES.take(self.device, "moe_partial", (gate_parts, 2, slots, gate.out_features))
+        y = WORKSPACES.take(self.device, "moe_out", (down_parts, slots, down.out_features))
+        out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
+        routing = (topk_weights, topk_ids, row_ids, block_matrix, self.had)
+        flags = (block_m, dedup, apply_router_weight_on_input, self.dot_fp16)
+        _gate_up(x, *routing, self.scales[("gate", "suh")], self.scales[("up", "suh")],
+                 gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
+                 up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
+                 gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
+        _down(partial, *routing, self.scales[("gate", "svh")], self.scales[("up", "svh")], self.keep_channels,
+              self.scales[("down", "suh")], self.scales[("down", "svh")],
+              down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
+              self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
+        _sum(y, out, top_k)
+        return out
+
+
+def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None) -> FusedTritonMoE:
+    return FusedTritonMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.dtype,
+                          layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split)
+
+
+_TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+_CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
+    dtype at decode (1 token: one program per slot, BLOCK_M 16) and at prefill (64-row blocks) for fp16. (The sum
+    kernel reads no trellis: nothing in it for the report to measure.)"""
+    codebook = _CODEBOOK_IDS[shape.codebook]
+    twice_k = int(2 * shape.k_bits)
+    routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
+               "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32",
+               "had_ptr": "*fp32"}
+    table = {"trellis": "*i64", "twice_k": "*i32", "codebook": "*i32", "fill": "*i64"}
+    kernels = []
+    for dtype, pointer in _TRITON_DTYPES.items():
+        for mode, dedup, block_m in (("decode", True, DECODE_BLOCK_M), ("prefill", False, PREFILL_BLOCK_M)):
+            if mode == "prefill" and dtype != "fp16":
+                continue
+            flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=block_m,
+                         SLOTS_P2=triton.next_power_of_2(shape.top_k) if dedup else 1, DOT_FP16=dtype != "fp32",
+                         ROUTE_ON_INPUT=False, FILL=False)
+            gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
+                       "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16",
+                       **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
+                       "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32"}
+            kernels.append(StaticKernel(
+                f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
+                {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
+                 "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
+                trellis_arg="gate_trellis"))
+            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "svh_gate_ptr": "*fp16",
+                    "svh_up_ptr": "*fp16", "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
+                    "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
+                    "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
+            kernels.append(StaticKernel(
+                f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
+                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False}, MATMUL_WARPS, 3, PIECE * PIECE,
+                dtype=dtype, trellis_arg="down_trellis"))
+    return kernels

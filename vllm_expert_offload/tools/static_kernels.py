@@ -1,0 +1,153 @@
+"""`bench-kernels --static`: the Triton backend's kernels compiled ahead of time for sm_90 and sm_120 on a machine
+without a GPU (Triton's compiler, the ptxas and nvdisasm Triton ships), and what the result says about them.
+
+Per target and kernel (kernels/static_spec.py says what a kernel module lists):
+- `registers`, `spills` (spill store + load bytes): `ptxas -v` on the kernel's PTX with the flags Triton passes;
+- `shared_bytes`: the shared memory Triton requests at launch (the compiled kernel's metadata);
+- `trellis_load_bits`: the narrowest global load of trellis memory, found by address provenance (ptx_analysis.py);
+- `ptx_per_weight` / `sass_per_weight`: instructions of the decode loop per weight each thread decodes, i.e. the
+  loop's instruction count divided by weights_per_iteration / (num_warps * 32), in PTX and in the SASS ptxas made
+  (the SASS count is what the GPU issues; issue #24's 20/38/52 for 3INST/MUL1/mixed are SASS counts).
+Compiles go through Triton's on-disk cache, so a second run takes seconds. They need Triton's compiler, which a
+process running its interpreter (the CPU tests, the launch census) does not have: `compile_report` runs them in a
+child Python without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..kernels.static_spec import LayerShape, StaticKernel
+from . import ptx_analysis
+from .json_child import resolve, run_json
+
+TARGETS = {"sm_90": 90, "sm_120": 120}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    ptx: str
+    cubin: bytes
+    shared_bytes: int
+    ptxas: str  # path of the ptxas that made the cubin
+
+
+def _triton_tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_kernel(kernel: StaticKernel, capability: int) -> Compiled:
+    """`triton.compile` of one StaticKernel for `capability` (90, 120): no GPU is touched."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    signature = dict(kernel.signature) | {name: "constexpr" for name in kernel.constexprs}
+    source = ASTSource(fn=kernel.fn, signature=signature, constexprs=dict(kernel.constexprs))
+    options = {"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, **kernel.options}
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return Compiled(compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.shared, get_ptxas(capability).path)
+
+
+def ptxas_usage(compiled: Compiled) -> dict[str, int]:
+    """registers and spill bytes from `ptxas -v`, run as Triton runs it (-lineinfo, --regAllocOptLevel=2)."""
+    gpu_name = re.search(r"^\.target\s+(\w+)", compiled.ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(compiled.ptx)
+        log = subprocess.run(
+            [compiled.ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu_name}", str(src),
+             "-o", str(Path(tmp) / "kernel.o")], capture_output=True, text=True, check=True,
+        ).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not registers or not spills:
+        raise RuntimeError(f"ptxas -v printed no register/spill line:\n{log}")
+    return {"registers": int(registers.group(1)), "spills": int(spills.group(1)) + int(spills.group(2))}
+
+
+def _param_index(kernel: StaticKernel) -> int:
+    """Position of `trellis_arg` among the PTX entry's parameters (the runtime arguments, in order)."""
+    runtime = [name for name in kernel.signature if name not in kernel.constexprs]
+    if kernel.trellis_arg not in runtime:
+        raise ValueError(f"{kernel.name}: trellis_arg {kernel.trellis_arg!r} is not a runtime argument of {runtime}")
+    return runtime.index(kernel.trellis_arg)
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_triton_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def analyse(kernel: StaticKernel, capability: int) -> dict:
+    """One kernel's static facts on one target (the report's per-kernel entry)."""
+    compiled = compile_kernel(kernel, capability)
+    loads = ptx_analysis.trellis_loads(compiled.ptx, _param_index(kernel), kernel.trellis_indirection)
+    if not loads:
+        raise ValueError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
+                         f"{kernel.trellis_indirection} address load(s); is trellis_arg right?")
+    weights_per_thread = kernel.weights_per_iteration / (kernel.num_warps * 32)
+    sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin))
+    return {
+        **ptxas_usage(compiled),
+        "shared_bytes": compiled.shared_bytes,
+        "trellis_load_bits": min(ptx_analysis.load_bits(ld) for ld in loads),
+        "ptx_per_weight": round(ptx_analysis.decode_loop_ptx_instructions(compiled.ptx, loads) / weights_per_thread, 2),
+        "sass_per_weight": None if sass_loop is None else round(sass_loop / weights_per_thread, 2),
+        "num_warps": kernel.num_warps,
+        "dtype": kernel.dtype,
+    }
+
+
+def ptxas_version() -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).version
+
+
+
+def _kernel_key(kernel: StaticKernel, capability: int) -> tuple:
+    return (kernel.fn, tuple(sorted(kernel.signature.items())), tuple(sorted(kernel.constexprs.items())),
+            kernel.num_warps, kernel.num_stages, tuple(sorted(kernel.options.items())), capability)
+
+
+def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
+    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}; identical compiles are analysed once.
+    In-process: Triton must not be running its interpreter here."""
+    done: dict[tuple, dict] = {}
+    targets = {}
+    for target, capability in TARGETS.items():
+        kernels = {}
+        for shape in shapes:
+            for kernel in kernels_for(shape):
+                key = _kernel_key(kernel, capability)
+                if key not in done:
+                    print(f"compiling {kernel.name} for {target}", file=sys.stderr, flush=True)
+                    done[key] = analyse(kernel, capability)
+                kernels[f"{shape.model}/{kernel.name}"] = done[key]
+        targets[target] = {"kernels": kernels}
+    return targets
+
+
+def compile_report(provider: str, shapes: Iterable[LayerShape]) -> dict:
+    """`compile_targets` of `provider` ("module:function" or "file.py:function", shape -> list[StaticKernel]) in a
+    child Python with Triton's compiler, whatever mode this process runs Triton in."""
+    return run_json(__name__, [provider, json.dumps([asdict(s) for s in shapes])], triton_interpret=False)
+
+
+if __name__ == "__main__":
+    _shapes = [LayerShape(**s) for s in json.loads(sys.argv[2])]
+    print(json.dumps(compile_targets(resolve(sys.argv[1]), _shapes)))
