@@ -20,6 +20,7 @@ from vllm_expert_offload.kernels.matrix_table import matrix_table
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.kernels.rotated import RotatedMoE
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.offload import counters as tier_counters
 from vllm_expert_offload.offload.cache_policy import CacheSettings
@@ -123,6 +124,28 @@ def test_cached_forward_equals_uncached_while_fills_and_evictions_happen(policy:
     assert fills > SLOTS and evictions > 0, "the budget is small enough that fills and evictions must happen"
 
 
+def test_triton_writes_through_and_equals_its_uncached_forward() -> None:
+    """The fused Triton kernels with the cache (interpreted, decode sizes): the same outputs as without it, bit for
+    bit, while experts are filled into slots by the kernels' own reads and evicted."""
+    counters = tier_counters.TierCounters(1, CPU)
+    experts, tables, scales, arena = _host_layer()
+    slots = ExpertSlots(experts, tables, CacheSettings("lru"), (True, True, False, False, False, False),
+                        _slot_bytes(experts), CPU, counters)
+    cached = FusedTritonMoE(experts, tables, scales, arena, FULL, torch.float32, CPU, top_k=2, cache=slots)
+    plain_experts, plain_tables, plain_scales, plain_arena = _host_layer()
+    plain = FusedTritonMoE(plain_experts, plain_tables, plain_scales, plain_arena, FULL, torch.float32, CPU, top_k=2)
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 3, 1, 2):
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        ids = torch.stack([torch.randperm(len(TIERS), generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        assert torch.equal(cached.forward(x, weights, ids, False), plain.forward(x, weights, ids, False))
+        _assert_tables_follow_policy(slots, experts, arena)
+        _assert_within_budget(slots)
+    fills, evictions = counters.counts[0, tier_counters.FILLS:].tolist()
+    assert fills >= SLOTS and evictions > 0
+
+
 def test_off_policy_never_fills_and_keeps_the_initial_slots() -> None:
     cached, slots, experts, arena = _cached_moe(CacheSettings("off"))
     start = slots.policy.slot_of_expert.clone()
@@ -180,7 +203,7 @@ def test_fill_table_of_the_wrong_size_is_refused() -> None:
                           torch.zeros(len(experts) + 1, dtype=torch.int64))
 
 
-def test_a_backend_without_write_through_refuses_a_cache() -> None:
+def test_a_launcher_without_write_through_refuses_a_cache() -> None:
     experts, tables, scales, arena = _host_layer()
     slots = ExpertSlots(experts, tables, CacheSettings(), [True] * SLOTS + [False] * 4, _slot_bytes(experts), CPU)
     with pytest.raises(ValueError, match="triton launcher cannot write an expert through"):
@@ -195,6 +218,8 @@ def test_read_counters_by_tier_and_host_bytes() -> None:
     assert counters.counts[1].tolist() == [2, 4, 60, 0, 0] and counters.counts[0].tolist() == [0] * 5
     counters.count_fills(1, torch.tensor([2, -1]), torch.tensor([3, -1]))
     assert counters.counts[1].tolist() == [2, 4, 60, 1, 1]
+    counters.count_reads(0, torch.tensor([[-1, 3], [-1, -1]]), resident, sizes)  # -1: another EP rank's expert
+    assert counters.counts[0].tolist() == [1, 0, 0, 0, 0]
     experts = _host_layer()[0]
     assert expert_trellis_bytes(experts, CPU).tolist() == [
         sum(layer.trellis.numel() * 2 for layer in e.projections.values()) for e in experts]

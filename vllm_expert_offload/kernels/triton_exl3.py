@@ -170,7 +170,8 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 
 BACKEND = Backend(
-    name="triton", description="the Triton kernels", auto_on=("cuda",), graph_safe=True, unavailable=triton_unavailable,
+    name="triton", description="the Triton kernels", auto_on=("cuda",), graph_safe=True, write_through=True,
+    unavailable=triton_unavailable,
     build_moe=lambda layer: fused_moe(layer),
     build_linear=lambda layer: fused_linear(layer),
 )

@@ -42,6 +42,7 @@ from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
 from .contract import ExpertCrop, MoELayer
 from .expert_blocks import grouped_blocks
+from .expert_slots import ExpertSlots
 from .launch_ops import register_launch
 from .matrix_table import matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
@@ -288,7 +289,9 @@ class FusedTritonMoE:
     def __init__(self, experts: list[PlacedExpert], tables: PointerTables, scales: ScaleStacks,
                  arena: HostArena | None, crop: ExpertCrop, dtype: torch.dtype, device: torch.device,
                  swiglu_limit: float | None = None, top_k: int = 1, capture_rows: tuple[int, ...] = (),
-                 split: tuple[int, int] | None = None) -> None:
+                 split: tuple[int, int] | None = None, cache: ExpertSlots | None = None) -> None:
+        """`cache`: the GPU tier as an expert cache (kernels/expert_slots.py): each forward takes its step's fill
+        tables, writes the filled experts through as the kernels read them, and switches the tables after."""
         # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
         self.experts = list(experts)
         self.arena = arena
@@ -309,6 +312,7 @@ class FusedTritonMoE:
         self.keep_channels = keep
         self.no_blocks = torch.zeros(1, dtype=torch.int32, device=device)  # decode's unread row_ids/block_matrix
         self.fill: dict[str, torch.Tensor] | None = None  # write_through()
+        self.cache = cache
         hidden_out = self.tables["down"].out_features
         if split is None:
             target = fill_target(device)
@@ -348,7 +352,8 @@ class FusedTritonMoE:
             dedup, block_m, gate_parts, down_parts = False, PREFILL_BLOCK_M, 1, 1
             row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, block_m)
         gate, up, down = (self.tables[p] for p in PROJECTIONS)
-        fill = self.fill or {}
+        # The cache decides first; the launches read through the old tables and write its fills.
+        fill = self.cache.begin(topk_ids) if self.cache is not None else (self.fill or {})
         partial = WORKSPACES.take(self.device, "moe_partial", (gate_parts, 2, slots, gate.out_features))
         y = WORKSPACES.take(self.device, "moe_out", (down_parts, slots, down.out_features))
         out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
@@ -362,13 +367,15 @@ class FusedTritonMoE:
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
               self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
+        if self.cache is not None:
+            self.cache.finish()  # every trellis read of this forward is queued: the tables switch now
         _sum(y, out, top_k)
         return out
 
 
 def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None) -> FusedTritonMoE:
     return FusedTritonMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.dtype,
-                          layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split)
+                          layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split, layer.cache)
 
 
 _TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}

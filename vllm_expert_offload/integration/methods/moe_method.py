@@ -50,7 +50,7 @@ def _cache_settings(options, kernels: KernelChoice, expert_parallel: bool) -> Ca
     if not backend(kernels.moe).write_through or kernels.fallback is not None:
         logger.warning(
             "expert_offload.dynamic: routed experts run the %s backend, which cannot store an expert into a GPU slot "
-            "as it reads it (write-through; only the cpu backend does so far); serving the static plan", kernels.moe)
+            "as it reads it (write-through: the cpu and triton backends do); serving the static plan", kernels.moe)
         return None
     return options.dynamic
 
