@@ -85,9 +85,10 @@ DYNAMIC = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "dynam
 
 def test_only_a_write_through_backend_gets_a_cache_the_others_serve_static_and_say_so(caplog) -> None:
     assert _cache_settings(DYNAMIC, KernelChoice("cpu", "cpu", "auto"), False) == DYNAMIC.dynamic
+    assert _cache_settings(DYNAMIC, KernelChoice("triton", "triton", "auto"), False) == DYNAMIC.dynamic
     static = parse_offload_options({"expert_offload": {"host_fraction": 0.5}})
     assert _cache_settings(static, KernelChoice("cpu", "cpu", "auto"), False) is None
-    for name, fallback in (("exllamav3", "triton"), ("triton", None), ("torch", None)):
+    for name, fallback in (("exllamav3", "triton"), ("exllamav3", None), ("torch", None)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="vllm.expert_offload"):
             assert _cache_settings(DYNAMIC, KernelChoice(name, name, "auto", fallback), False) is None

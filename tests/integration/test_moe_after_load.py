@@ -18,6 +18,7 @@ from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.validate import validate_checkpoint
 from vllm_expert_offload.integration.methods.collectors import register_collectors
 from vllm_expert_offload.integration.methods.moe_method import COLLECTORS, Exl3MoEMethod
+from vllm_expert_offload.kernels.oracle import KernelChoice
 from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
 LAYER, EXPERT, EXPERTS = 1, 5, 8
@@ -90,6 +91,7 @@ def test_the_placement_is_bounded_by_the_gpus_memory(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(moe_method.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=96 << 30))
     for device, gpu_bytes in ((torch.device("cuda", 0), 96 << 30), (torch.device("cpu"), None)):
-        quant_config = SimpleNamespace(placement=None, options=None, summary=None)
-        moe_method._process_placement(quant_config, None, 2, device)
-        assert made.pop()[-1] == gpu_bytes
+        quant_config = SimpleNamespace(placement=None, options=SimpleNamespace(caches=False), summary=None)
+        parallel = SimpleNamespace(use_ep=False, dp_rank=0, dp_size=1)
+        moe_method._process_placement(quant_config, None, None, parallel, 2, device, KernelChoice("cpu", "cpu", "auto"))
+        assert made.pop()[5] == gpu_bytes  # ProcessPlacement(options, summary, geometry, top_k, device, gpu_bytes, ...)
