@@ -65,6 +65,14 @@ def test_decayed_lfu_evicts_the_lowest_count_and_never_a_selected_expert() -> No
     assert _step(cache, [[0, 2], [4, 0]]) == ([2, -1], [1, -1], [3, -1], 2, 2)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_padding_ids_are_neither_counted_nor_filled(policy: str) -> None:
+    cache = ExpertCache(CacheSettings(policy), num_experts=4, slots=2, device="cpu")
+    fills = [1, -1] if policy != "off" else [-1, -1]
+    assert _step(cache, [[1, -1], [-1, -1]])[::4] == (fills, 1)
+    assert cache.slot_of_expert.tolist().count(-1) == (3 if policy != "off" else 4)
+
+
 def test_off_counts_reads_and_never_fills() -> None:
     initial = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
     cache = ExpertCache(CacheSettings("off"), num_experts=4, slots=2, device="cpu", initial=initial)

@@ -18,10 +18,13 @@ Why it looks the way it does:
   slot), pinned experts are never evicted, at most `slots` experts are resident, and only experts read from the host
   in this step are filled (that is what makes the fill free: the kernel already has the bytes).
 
-Policies: "lru" ranks by the last token that read an expert; "decayed-lfu" by reads decayed with a half-life of
-`half_life_tokens` tokens. A missed expert is installed when it ranks above the weakest evictable resident (an
-empty slot always admits); for LRU that is always, since what was just read is the most recent. "off" never fills
-(the static plan), while still counting hits and misses.
+Policies: "lru" ranks by the last token that read an expert. "decayed-lfu" keeps reads decayed per token at two
+half-lives, `half_life_tokens` (recency) and FREQUENCY_SCALE times it (frequency), and each layer ranks by the scale
+whose top `slots` experts held more of its reads lately: recency wins inside a prompt, frequency across domain
+shifts, and no single half-life serves both (docs/benchmarks.md). A missed expert is installed when it ranks above
+the weakest evictable resident (an empty slot always admits); for LRU that is always, since what was just read is
+the most recent. "off" never fills (the static plan), while still counting hits and misses. Negative ids (padding)
+are neither counted nor filled.
 """
 
 from __future__ import annotations
@@ -177,8 +180,10 @@ class ExpertCache:
         ids = topk_ids.reshape(-1, *topk_ids.shape[-2:]) if self.layers is not None else topk_ids[None]
         rows, tokens, k = ids.shape
         ids = ids.long()
-        reads = torch.zeros(rows, self.num_experts, dtype=torch.int64, device=self.device)
+        ids = torch.where(ids < 0, self.num_experts, ids)  # padding counts into a sink column, dropped below
+        reads = torch.zeros(rows, self.num_experts + 1, dtype=torch.int64, device=self.device)
         reads.scatter_add_(1, ids.reshape(rows, -1), torch.ones_like(ids).reshape(rows, -1))
+        reads = reads[:, : self.num_experts]
         slot_of_expert = self._slot_state[:, : self.num_experts]
         resident = slot_of_expert >= 0
         hits = torch.where(resident, reads, 0).sum(-1)
@@ -202,8 +207,9 @@ class ExpertCache:
             rows = ids.shape[0]
             position = torch.arange(1, tokens + 1, dtype=torch.float64, device=self.device)
             position = position[None, :, None].expand(ids.shape).reshape(rows, -1)
-            last = torch.zeros(rows, self.num_experts, dtype=torch.float64, device=self.device)
+            last = torch.zeros(rows, self.num_experts + 1, dtype=torch.float64, device=self.device)
             last.scatter_reduce_(1, ids.reshape(rows, -1), position, reduce="amax")
+            last = last[:, : self.num_experts]
             self._score.copy_(torch.where(selected, self._clock + last, self._score))
             self._clock.add_(tokens)
         else:
