@@ -72,16 +72,47 @@ def test_decode_is_bit_exact_for_every_rate_and_codebook(backend: MatmulBackend,
         assert np.array_equal(bits, expected), f"K={k} {cb}: {np.count_nonzero(bits != expected)} weights differ"
 
 
-@pytest.mark.parametrize("k", [3, 2.5])
-def test_decode_is_bit_exact_with_the_rate_a_compile_time_constant(k: float) -> None:
-    """A table of one K (every codebook): the Triton kernel compiles that rate's decode alone (uniform_twice_k),
-    the path models with one K per projection take; the launches above branch on K at run time."""
-    layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, cb in enumerate(("3inst", "mcg", "mul1"))]
+@pytest.mark.parametrize(("k", "codebooks"), [(3, ("3inst", "mcg", "mul1")), (2.5, ("mul1", "mul1"))])
+def test_decode_is_bit_exact_with_the_rate_a_compile_time_constant(k: float, codebooks: tuple[str, ...]) -> None:
+    """A table of one K (every codebook the rate allows): the Triton kernel compiles that rate's decode alone
+    (uniform_twice_k), the path models with one K per projection take; the launches above branch on K at run time."""
+    layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, cb in enumerate(codebooks)]
     assert matrix_table(layers, own_addresses(layers), CPU).uniform_twice_k == int(2 * k)
     for layer, got in zip(layers, decode_with_kernel(layers, TRITON_MATMUL)):
         expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, layer.codebook.value).astype(np.int64)
         bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
         assert np.array_equal(bits, expected), f"K={k} {layer.codebook}: {np.count_nonzero(bits != expected)} differ"
+
+
+_REGISTER_PATH_CHECK = """
+import numpy as np, torch
+from vllm_expert_offload.exl3 import parse_linear
+from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+from support import exl3_reference as ref
+from support.layers import make_layer
+from support.moe_layers import decode_with_kernel
+cases = [(3, "mul1"), (2.5, "mul1"), (4, "mcg"), (2, "3inst")]
+layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, (k, cb) in enumerate(cases)]
+for (k, cb), layer, got in zip(cases, layers, decode_with_kernel(layers, TRITON_MATMUL)):
+    expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
+    bits = got.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    assert np.array_equal(bits, expected), (k, cb, int(np.count_nonzero(bits != expected)))
+"""
+
+
+def test_register_windows_form_is_bit_exact_in_the_interpreter() -> None:
+    """The GPU's form of the decode (each window from the thread's words at compile-time offsets, a join tree),
+    which the interpreter otherwise replaces by one gather: run under the interpreter in a child Python."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", VEO_TRITON_REGISTER_DECODE="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _REGISTER_PATH_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_mixed_rates_leave_the_rate_to_the_kernel() -> None:

@@ -33,8 +33,10 @@ def _bump(x, EXTRA: tl.constexpr):
 
 
 @triton.jit
-def probe_kernel(table_ptr, act_ptr, out_ptr, n, WORD_BITS: tl.constexpr, EXTRA: tl.constexpr, BLOCK: tl.constexpr):
-    """Sums a 'trellis' read through a one-entry address table (WORD_BITS-bit loads) and 8-bit 'activations'."""
+def probe_kernel(table_ptr, act_ptr, out_ptr, n, flag, WORD_BITS: tl.constexpr, EXTRA: tl.constexpr,
+                 BRANCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Sums a 'trellis' read through a one-entry address table (WORD_BITS-bit loads) and 8-bit 'activations';
+    BRANCH: EXTRA or EXTRA + 1 extra instructions on alternate steps (a runtime branch inside the loop body)."""
     address = tl.load(table_ptr)
     if WORD_BITS == 32:
         trellis = address.to(tl.pointer_type(tl.int32))
@@ -45,7 +47,13 @@ def probe_kernel(table_ptr, act_ptr, out_ptr, n, WORD_BITS: tl.constexpr, EXTRA:
     for k in range(0, n, BLOCK):
         word = tl.load(trellis + k + offs).to(tl.int32)
         act = tl.load(act_ptr + k + offs).to(tl.int32)
-        acc += _bump(word, EXTRA) * act
+        if BRANCH:
+            if (k // BLOCK) % 2 == flag:  # varies with k: LLVM cannot hoist the branch out of the loop
+                acc += _bump(word, EXTRA) * act
+            else:
+                acc += _bump(word, EXTRA + 1) * act
+        else:
+            acc += _bump(word, EXTRA) * act
     tl.store(out_ptr + offs, acc)
 
 
@@ -147,17 +155,17 @@ def legacy_kernel(shape: LayerShape) -> list[StaticKernel]:
     return [replace(today, name="legacy[mul1,fp16]", fn=legacy_matmul_kernel, constexprs=constexprs)]
 
 
-def _probe(word_bits: int, extra: int) -> StaticKernel:
+def _probe(word_bits: int, extra: int, branch: bool = False) -> StaticKernel:
     return StaticKernel(
-        name=f"probe[{word_bits},{extra}]", fn=probe_kernel,
-        signature={"table_ptr": "*i64", "act_ptr": "*i8", "out_ptr": "*i32", "n": "i32"},
-        constexprs={"WORD_BITS": word_bits, "EXTRA": extra, "BLOCK": BLOCK},
+        name=f"probe[{word_bits},{extra}{',branch' if branch else ''}]", fn=probe_kernel,
+        signature={"table_ptr": "*i64", "act_ptr": "*i8", "out_ptr": "*i32", "n": "i32", "flag": "i32"},
+        constexprs={"WORD_BITS": word_bits, "EXTRA": extra, "BRANCH": branch, "BLOCK": BLOCK},
         num_warps=4, num_stages=1, weights_per_iteration=BLOCK, trellis_arg="table_ptr",
     )
 
 
 def probe_kernels(shape: LayerShape) -> list[StaticKernel]:
-    return [_probe(32, 0), _probe(16, 0), _probe(32, 10)] + legacy_kernel(shape)
+    return [_probe(32, 0), _probe(16, 0), _probe(32, 10), _probe(32, 10, branch=True)] + legacy_kernel(shape)
 
 
 def today_mul1(shape: LayerShape) -> list[StaticKernel]:

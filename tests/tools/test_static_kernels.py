@@ -36,6 +36,9 @@ def test_decode_loop_count_sees_every_added_instruction(probes, target) -> None:
     kernels = probes[target]["kernels"]
     # probe[32,10]'s loop body carries 10 adds and a mov more, inline asm on one line (1 weight per thread)
     assert kernels["tiny/probe[32,10]"]["ptx_per_weight"] - kernels["tiny/probe[32,0]"]["ptx_per_weight"] == 11
+    # a runtime branch in the loop (arms of 12 and 13 asm statements): both arms count, also where LLVM places blocks
+    # of the loop before its header
+    assert kernels["tiny/probe[32,10,branch]"]["ptx_per_weight"] >= kernels["tiny/probe[32,10]"]["ptx_per_weight"] + 12
 
 
 def test_former_gather_decode_reads_16_bit_at_38_sass_instructions_per_weight(probes) -> None:

@@ -121,11 +121,16 @@ def ptx_loops(ptx: str) -> dict[str, list[int]]:
     LLVM annotates every block of a loop (`in Loop: Header=BB0_4 Depth=1`) and its header (`Loop Header`); the
     blocks need not be contiguous (branches inside the body place some before the header)."""
     loops: dict[str, list[int]] = {}
+    lines = ptx.splitlines()
     current = None
-    for i, text in enumerate(ptx.splitlines()):
+    for i, text in enumerate(lines):
         m = _BLOCK_START.match(text.strip())
         if m:
             label, comment = m.groups()
+            for follow in lines[i + 1 :]:  # LLVM may continue the block's comment on comment-only lines
+                if not follow.strip().startswith("//"):
+                    break
+                comment += follow
             inner = _IN_LOOP.search(comment)
             if "Loop Header" in comment and label:
                 current = label
