@@ -189,6 +189,21 @@ def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK
 
 
 @triton.jit
+def matrix_rate(twice_k_ptr, codebook_ptr, TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr):
+    """(2K, codebook) of one matrix: the compile-time values where a launch's matrices share them (TWICE_K > 0,
+    CODEBOOK >= 0; decode_block then compiles that rate alone), else read from its table entries."""
+    if TWICE_K == 0:
+        twice_k = tl.load(twice_k_ptr).to(tl.int32)
+    else:
+        twice_k = TWICE_K
+    if CODEBOOK == -1:
+        codebook = tl.load(codebook_ptr).to(tl.int32)
+    else:
+        codebook = CODEBOOK
+    return twice_k, codebook
+
+
+@triton.jit
 def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`.
     Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py); a constexpr `twice_k` compiles its branch alone."""

@@ -29,7 +29,7 @@ from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTable
 from .rotated import MatmulBackend
 from .static_spec import LayerShape, StaticKernel
-from .triton_decode import decode_block
+from .triton_decode import decode_block, matrix_rate
 from . import triton_linear, triton_moe
 from .triton_linear import fused_linear
 from .triton_moe import fused_moe
@@ -50,14 +50,7 @@ def exl3_matmul_kernel(
         rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = rows >= 0
         trellis = tl.load(trellis_table_ptr + matrix)
-        if TWICE_K == 0:
-            twice_k = tl.load(twice_k_table_ptr + matrix)
-        else:
-            twice_k = TWICE_K
-        if CODEBOOK == -1:
-            codebook = tl.load(codebook_table_ptr + matrix)
-        else:
-            codebook = CODEBOOK
+        twice_k, codebook = matrix_rate(twice_k_table_ptr + matrix, codebook_table_ptr + matrix, TWICE_K, CODEBOOK)
         n0 = tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_kb = tl.arange(0, BLOCK_K)

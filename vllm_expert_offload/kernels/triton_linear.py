@@ -25,6 +25,7 @@ from .launch_ops import register_launch
 from .linear import LinearShard
 from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
 from .static_spec import LayerShape, StaticKernel
+from .triton_decode import matrix_rate
 from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard,
                            load_hadamard_half, rotated_product, split_for)
 
@@ -46,14 +47,7 @@ def linear_kernel(
     row_ok = offs_m < rows
     piece = pieces_ptr + tl.program_id(1) * 16
     trellis = tl.load(piece + 0)
-    if TWICE_K == 0:
-        twice_k = tl.load(piece + 1).to(tl.int32)
-    else:
-        twice_k = TWICE_K
-    if CODEBOOK == -1:
-        codebook = tl.load(piece + 2).to(tl.int32)
-    else:
-        codebook = CODEBOOK
+    twice_k, codebook = matrix_rate(piece + 1, piece + 2, TWICE_K, CODEBOOK)
     size_k = tl.load(piece + 3)
     size_n = tl.load(piece + 4)
     n0 = tl.load(piece + 5)

@@ -47,6 +47,7 @@ from .launch_ops import register_launch
 from .matrix_table import matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
+from .triton_decode import matrix_rate
 from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
                            rotated_product, split_for, write_through)
 
@@ -92,14 +93,7 @@ def _piece_product(acc, a, scale, had_lo, had_hi, trellis_table, twice_k_table, 
     table is uniform, else read per matrix); the piece's trellis words copied to the matrix's fill address first
     when this program writes through and there is one."""
     trellis = tl.load(trellis_table + matrix)
-    if TWICE_K == 0:
-        twice_k = tl.load(twice_k_table + matrix)
-    else:
-        twice_k = TWICE_K
-    if CODEBOOK == -1:
-        codebook = tl.load(codebook_table + matrix)
-    else:
-        codebook = CODEBOOK
+    twice_k, codebook = matrix_rate(twice_k_table + matrix, codebook_table + matrix, TWICE_K, CODEBOOK)
     if FILL:
         fill = tl.load(fill_table + matrix)
         if write & (fill != 0):
