@@ -1,7 +1,9 @@
 """Triton kernels whose static facts are known, for tests/tools/test_static_kernels.py (loaded by file path in the
 report's compile child), listed under the StaticKernel contract:
-- `probe_kernels`: tiny kernels with 32- or 16-bit trellis loads beside 8-bit activation loads, and one whose loop
-  carries a known number of extra instructions;
+- `probe_kernels`: tiny kernels with 32- or 16-bit trellis loads beside 8-bit activation loads, one whose loop
+  carries a known number of extra instructions, one whose loop nests a loop over fp32 partials (as moe_down's), and
+  a table of the dense kernel's kind (a trellis address field beside an offset into a second, fp16 array) with its
+  twin whose second field is a 16-bit trellis address;
 - `legacy_kernel`: the Triton matmul as it was before the ring-order decode (main at 1b7a8c5: per-weight 16-bit
   gathers of two ring units, 64-bit arithmetic), kept here verbatim as the report's known answer: issue #24 read
   16-bit trellis loads and 20/38/52 SASS instructions per weight (3INST/MUL1/mixed) from it;
@@ -33,10 +35,11 @@ def _bump(x, EXTRA: tl.constexpr):
 
 
 @triton.jit
-def probe_kernel(table_ptr, act_ptr, out_ptr, n, flag, WORD_BITS: tl.constexpr, EXTRA: tl.constexpr,
-                 BRANCH: tl.constexpr, BLOCK: tl.constexpr):
+def probe_kernel(table_ptr, act_ptr, out_ptr, n, flag, partial_ptr, parts, WORD_BITS: tl.constexpr,
+                 EXTRA: tl.constexpr, BRANCH: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
     """Sums a 'trellis' read through a one-entry address table (WORD_BITS-bit loads) and 8-bit 'activations';
-    BRANCH: EXTRA or EXTRA + 1 extra instructions on alternate steps (a runtime branch inside the loop body)."""
+    BRANCH: EXTRA or EXTRA + 1 extra instructions on alternate steps (a runtime branch inside the loop body);
+    NESTED: each step also sums `parts` fp32 partials in a nested loop of 14 more instructions (moe_down's kind)."""
     address = tl.load(table_ptr)
     if WORD_BITS == 32:
         trellis = address.to(tl.pointer_type(tl.int32))
@@ -47,6 +50,9 @@ def probe_kernel(table_ptr, act_ptr, out_ptr, n, flag, WORD_BITS: tl.constexpr, 
     for k in range(0, n, BLOCK):
         word = tl.load(trellis + k + offs).to(tl.int32)
         act = tl.load(act_ptr + k + offs).to(tl.int32)
+        if NESTED:
+            for part in range(parts):  # a runtime trip count: a loop in PTX and SASS
+                act += _bump(tl.load(partial_ptr + part * n + k + offs).to(tl.int32, bitcast=True), 12)
         if BRANCH:
             if (k // BLOCK) % 2 == flag:  # varies with k: LLVM cannot hoist the branch out of the loop
                 acc += _bump(word, EXTRA) * act
@@ -54,6 +60,25 @@ def probe_kernel(table_ptr, act_ptr, out_ptr, n, flag, WORD_BITS: tl.constexpr, 
                 acc += _bump(word, EXTRA + 1) * act
         else:
             acc += _bump(word, EXTRA) * act
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def table_kernel(ids_ptr, table_ptr, scale_ptr, out_ptr, n, SECOND_IS_ADDRESS: tl.constexpr, BLOCK: tl.constexpr):
+    """The dense kernel's table in small: entry ids[0] of a two-field int64 table holds the address of 32-bit
+    trellis words and either an offset into `scale_ptr`'s fp16 array (as linear_kernel's suh_at: not trellis)
+    or, SECOND_IS_ADDRESS, the address of 16-bit trellis words (so the narrowest trellis load is 16-bit)."""
+    entry = table_ptr + 2 * tl.load(ids_ptr)  # an index read through another pointer, as the MoE kernels' ids
+    trellis = tl.load(entry).to(tl.pointer_type(tl.int32))
+    second = tl.load(entry + 1)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, n, BLOCK):
+        if SECOND_IS_ADDRESS:
+            scale = tl.load(second.to(tl.pointer_type(tl.float16)) + k + offs)
+        else:
+            scale = tl.load(scale_ptr + second + k + offs)
+        acc += tl.load(trellis + k + offs).to(tl.float32, bitcast=True) * scale.to(tl.float32)
     tl.store(out_ptr + offs, acc)
 
 
@@ -155,17 +180,28 @@ def legacy_kernel(shape: LayerShape) -> list[StaticKernel]:
     return [replace(today, name="legacy[mul1,fp16]", fn=legacy_matmul_kernel, constexprs=constexprs)]
 
 
-def _probe(word_bits: int, extra: int, branch: bool = False) -> StaticKernel:
+def _probe(word_bits: int, extra: int, branch: bool = False, nested: bool = False) -> StaticKernel:
     return StaticKernel(
-        name=f"probe[{word_bits},{extra}{',branch' if branch else ''}]", fn=probe_kernel,
-        signature={"table_ptr": "*i64", "act_ptr": "*i8", "out_ptr": "*i32", "n": "i32", "flag": "i32"},
-        constexprs={"WORD_BITS": word_bits, "EXTRA": extra, "BRANCH": branch, "BLOCK": BLOCK},
+        name=f"probe[{word_bits},{extra}{',branch' if branch else ''}{',nested' if nested else ''}]", fn=probe_kernel,
+        signature={"table_ptr": "*i64", "act_ptr": "*i8", "out_ptr": "*i32", "n": "i32", "flag": "i32",
+                   "partial_ptr": "*fp32", "parts": "i32"},
+        constexprs={"WORD_BITS": word_bits, "EXTRA": extra, "BRANCH": branch, "NESTED": nested, "BLOCK": BLOCK},
+        num_warps=4, num_stages=1, weights_per_iteration=BLOCK, trellis_arg="table_ptr",
+    )
+
+
+def _table(second_is_address: bool) -> StaticKernel:
+    return StaticKernel(
+        name=f"table[{'address' if second_is_address else 'offset'}]", fn=table_kernel,
+        signature={"ids_ptr": "*i64", "table_ptr": "*i64", "scale_ptr": "*fp16", "out_ptr": "*fp32", "n": "i32"},
+        constexprs={"SECOND_IS_ADDRESS": second_is_address, "BLOCK": BLOCK},
         num_warps=4, num_stages=1, weights_per_iteration=BLOCK, trellis_arg="table_ptr",
     )
 
 
 def probe_kernels(shape: LayerShape) -> list[StaticKernel]:
-    return [_probe(32, 0), _probe(16, 0), _probe(32, 10), _probe(32, 10, branch=True)] + legacy_kernel(shape)
+    return [_probe(32, 0), _probe(16, 0), _probe(32, 10), _probe(32, 10, branch=True), _probe(32, 10, nested=True),
+            _table(False), _table(True)] + legacy_kernel(shape)
 
 
 def today_mul1(shape: LayerShape) -> list[StaticKernel]:

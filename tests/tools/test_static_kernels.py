@@ -1,8 +1,9 @@
 """`bench-kernels --static`: the report's layout and the Triton kernel's targets (32-bit trellis loads, at most 10 PTX
 instructions per MUL1 weight at K=3, no spills), the launch counts (3 per MoE forward up to 64 tokens, the fused
 kernels), and kernels whose facts are known: the former gather decode (16-bit loads, 38 SASS instructions per MUL1
-weight, as issue #24 read them), probes with 32- vs 16-bit trellis loads beside 8-bit activation loads, and an exact
-instruction surplus."""
+weight, as issue #24 read them), probes with 32- vs 16-bit trellis loads beside 8-bit activation loads, an exact
+instruction surplus, a loop nested in the decode loop (moe_down's partial sums), and a table holding a trellis
+address beside an offset into another array (the dense kernel's suh/svh)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,57 @@ def test_decode_loop_count_sees_every_added_instruction(probes, target) -> None:
     # a runtime branch in the loop (arms of 12 and 13 asm statements): both arms count, also where LLVM places blocks
     # of the loop before its header
     assert kernels["tiny/probe[32,10,branch]"]["ptx_per_weight"] >= kernels["tiny/probe[32,10]"]["ptx_per_weight"] + 12
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_table_offset_into_another_array_is_not_trellis(probes, target) -> None:
+    kernels = probes[target]["kernels"]
+    # field 1 offsets the fp16 `scale_ptr` array (as linear_kernel's suh_at): its 16-bit loads are not trellis
+    assert kernels["tiny/table[offset]"]["trellis_load_bits"] == 32
+    # the twin: field 1 is itself an address of 16-bit words, a trellis address like field 0
+    assert kernels["tiny/table[address]"]["trellis_load_bits"] == 16
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_decode_loop_holds_the_loop_nested_in_it(probes, target) -> None:
+    kernels = probes[target]["kernels"]
+    plain, nested = kernels["tiny/probe[32,10]"], kernels["tiny/probe[32,10,nested]"]
+    # the nested loop's body has 14 asm statements (add, 12 adds, mov) besides its load and control: all count
+    assert nested["ptx_per_weight"] - plain["ptx_per_weight"] >= 14
+    # SASS: the decode loop (trellis loads by line info) with the nested one inside it, not the nested loop alone
+    assert nested["sass_per_weight"] > plain["sass_per_weight"]
+
+
+_TABLE_PTX = """.entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0,
+\t.param .u64 .ptr .global .align 1 k_param_1,
+\t.param .u64 k_param_2
+)
+ld.param.b64 %rd1, [k_param_0];
+ld.param.b64 %rd4, [k_param_1];
+ld.param.b64 %rd8, [k_param_2];
+ld.global.b64 %rd2, [%rd1];
+ld.global.b64 %rd3, [%rd1+8];
+ld.global.b32 %r1, [%rd2];
+shl.b64 %rd5, %rd3, 1;
+add.s64 %rd6, %rd4, %rd5;
+ld.global.b16 %rs1, [%rd6];
+add.s64 %rd9, %rd8, %rd5;
+ld.global.b16 %rs2, [%rd9];
+"""
+
+
+def test_only_another_pointer_parameter_makes_a_table_offset_foreign() -> None:
+    # %rs1: suh-like (pointer param 1 + table offset); %rs2: the same offset plus a 64-bit integer param: trellis
+    loads = ptx_analysis.trellis_loads(_TABLE_PTX, 0, 1)
+    assert [ld.operands.split(",")[0] for ld in loads] == ["%r1", "%rs2"]
+    assert ptx_analysis.pointer_params(_TABLE_PTX) == {0, 1}
+
+
+def test_sass_loop_without_line_info_is_refused() -> None:
+    sass = ".L_x_0:\n        /*0000*/ LDG.E R4, desc[UR4][R4.64] ;\n        /*0010*/ BRA `(.L_x_0) ;\n"
+    with pytest.raises(ValueError, match="line info"):
+        ptx_analysis.decode_loop_sass_instructions(sass, {("k.py", 1)})
 
 
 def test_former_gather_decode_reads_16_bit_at_38_sass_instructions_per_weight(probes) -> None:

@@ -39,7 +39,8 @@ class StaticKernel:
     weights_per_iteration: int  # weights decoded by one program per iteration of the inner (K) loop
     # Which loads read trellis memory, found by address provenance in the PTX: the pointer argument the
     # trellis addresses come from, and how many address loads lie between it and the trellis data
-    # (1: it points to an int64 table of trellis addresses, as MatrixTable.trellis; 0: it is a trellis).
+    # (1: it points to an int64 table of trellis addresses, as MatrixTable.trellis, whose entries may also hold
+    # offsets into other pointer arguments' arrays, as linear_kernel's pieces; 0: it is a trellis).
     trellis_arg: str
     trellis_indirection: int = 1
     dtype: str = "fp16"  # activation dtype of this variant ("fp16", "bf16", "fp32"): spills must be 0 for fp16/bf16

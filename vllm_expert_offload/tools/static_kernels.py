@@ -4,10 +4,12 @@ without a GPU (Triton's compiler, the ptxas and nvdisasm Triton ships), and what
 Per target and kernel (kernels/static_spec.py says what a kernel module lists):
 - `registers`, `spills` (spill store + load bytes): `ptxas -v` on the kernel's PTX with the flags Triton passes;
 - `shared_bytes`: the shared memory Triton requests at launch (the compiled kernel's metadata);
-- `trellis_load_bits`: the narrowest global load of trellis memory, found by address provenance (ptx_analysis.py);
+- `trellis_load_bits`: the narrowest global load of trellis memory, found by address provenance (ptx_analysis.py:
+  a table's offsets into other arrays, such as the dense kernel's suh/svh, are not trellis);
 - `ptx_per_weight` / `sass_per_weight`: instructions of the decode loop per weight each thread decodes, i.e. the
-  loop's instruction count divided by weights_per_iteration / (num_warps * 32), in PTX and in the SASS ptxas made
-  (the SASS count is what the GPU issues; issue #24's 20/38/52 for 3INST/MUL1/mixed are SASS counts).
+  loop's instruction count (with the loops nested in it) divided by weights_per_iteration / (num_warps * 32), in
+  PTX and in the SASS ptxas made, whose decode loop ptxas's line info finds (the SASS count is what the GPU issues;
+  issue #24's 20/38/52 for 3INST/MUL1/mixed are SASS counts).
 Compiles go through Triton's on-disk cache, so a second run takes seconds. They need Triton's compiler, which a
 process running its interpreter (the CPU tests, the launch census) does not have: `compile_report` runs them in a
 child Python without TRITON_INTERPRET.
@@ -85,10 +87,11 @@ def _param_index(kernel: StaticKernel) -> int:
 
 
 def _sass(cubin: bytes) -> str:
+    """The cubin's code with ptxas's line info (`//## File "...", line N`), which finds the decode loop in it."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_triton_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([_triton_tool("nvdisasm"), "-c", "-g", f.name], capture_output=True, text=True,
                               check=True).stdout
 
 
@@ -100,7 +103,8 @@ def analyse(kernel: StaticKernel, capability: int) -> dict:
         raise ValueError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
                          f"{kernel.trellis_indirection} address load(s); is trellis_arg right?")
     weights_per_thread = kernel.weights_per_iteration / (kernel.num_warps * 32)
-    sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin))
+    sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin),
+                                                           ptx_analysis.source_lines(compiled.ptx, loads))
     return {
         **ptxas_usage(compiled),
         "shared_bytes": compiled.shared_bytes,
