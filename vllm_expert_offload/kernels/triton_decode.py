@@ -34,7 +34,9 @@ import os
 import triton
 import triton.language as tl
 
-_USE_ASM: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# Compiled for a GPU (else run by Triton's interpreter, which has no inline assembly and multiplies bf16 tensors
+# as their integer bit patterns: the kernels use exact fp32 equivalents there).
+COMPILED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 # The interpreter runs each of a group's 32 windows as separate small numpy ops, which made the CPU tests 2.4x
 # slower; there the same windows come from one vectorised gather of 32-bit words (same formulas, same codebook,
 # same permutation). VEO_TRITON_REGISTER_DECODE=1 keeps the compiled path's register form in the interpreter too.
@@ -64,7 +66,7 @@ def _mul1(state):
     sum is below 1024), prmt packs the pair, one fma.rn.f16x2 finishes both. In the interpreter the same value from
     shifts and masks and one exact fp32 FMA (the numerator is an integer below 2^21)."""
     x = state * 0x83DCD12D
-    if _USE_ASM:
+    if COMPILED:
         scale = tl.full(x.shape, 0x1EEE1EEE, tl.uint32)
         offset = tl.full(x.shape, 0xC931C931, tl.uint32)
         return tl.inline_asm_elementwise(

@@ -3,10 +3,14 @@ the split of the input dimension, the write-through copy of trellis tiles, and t
 
 Every fused kernel works on 128 x 128 pieces of W_hat: 128 is EXL3's Hadamard block (exl3-format.md §2.1), so
 a program that holds a 128-wide piece of an input row can rotate it itself, `had(a ⊙ s) = (a ⊙ s) @ H` with
-H the normalised 128 x 128 Sylvester matrix (a small device tensor made once per device), and a program that
-holds a 128-wide piece of an output row can rotate that back. The rotations are fp32 products (exact inputs,
-fp32 sums), as the torch glue computed them; a half-precision model's rotated input is then rounded to fp16 for
-the tensor-core product with the decoded weights, as exllamav3 rounds it.
+H the normalised 128 x 128 Sylvester matrix, and a program that holds a 128-wide piece of an output row can
+rotate that back. Input pieces are held as two 64-wide halves: H = [[S, S], [S, -S]] / √128 for the 64-point
+Sylvester matrix S, so rotating an input piece is one butterfly of the halves and two 64-point products
+(`rotate_halves`), and each rotated half meets one 64 x 128 half of the W_hat piece; outputs are rotated back once,
+after the K loop (`rotate`). The products run on tensor cores at fp32's accuracy where it matters: the fp32 operand
+is split exactly into bf16 terms (`rotation_terms`), each multiplied by the exact ±1 signs (made in registers from
+indices) with fp32 accumulation. A half-precision model's rotated input is then rounded to fp16 for the
+tensor-core product with the decoded weights, as exllamav3 rounds it.
 """
 
 from __future__ import annotations
@@ -16,51 +20,126 @@ import torch
 import triton
 import triton.language as tl
 
-from ..exl3.hadamard import HADAMARD_BLOCK, hadamard_128
-from .triton_decode import decode_block
+from ..exl3.hadamard import HADAMARD_BLOCK
+from .triton_decode import COMPILED, decode_block
 
 PIECE = HADAMARD_BLOCK  # BLOCK_K = BLOCK_N of every fused kernel
-MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) piece product: 64 decoded weights per thread and piece
-
-
-def hadamard(device: torch.device) -> torch.Tensor:
-    """H (128, 128) fp32 on `device`, cached: a forward never copies it (a CUDA graph could not)."""
-    return hadamard_128(torch.float32, device)
+HALF: tl.constexpr = tl.constexpr(HADAMARD_BLOCK // 2)  # kernels hold a piece's 128-wide rows as two halves
+_RSQRT_128: tl.constexpr = tl.constexpr(128**-0.5)
+MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) piece product: 32 decoded weights per thread and half
 
 
 @triton.jit
-def load_hadamard(had_ptr):
-    offs = tl.arange(0, 128)
-    return tl.load(had_ptr + offs[:, None] * 128 + offs[None, :])
+def hadamard_signs(N: tl.constexpr):
+    """The unnormalised N x N Sylvester matrix (N = 64 or 128), ±1 in bf16 (exact): entry (i, j) is
+    (-1)^popcount(i & j). Made from indices in registers, so no kernel reads a matrix from memory."""
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    parity = i & j
+    parity ^= parity >> 4
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    if N > 64:
+        parity ^= parity >> 8
+    return tl.where((parity & 1) == 1, -1.0, 1.0).to(tl.bfloat16)
 
 
 @triton.jit
-def load_hadamard_half(had_ptr, half):
-    """Columns 64·half .. 64·half + 63 of H: (128, 64)."""
-    return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + 64 * half + tl.arange(0, 64)[None, :])
+def _pinned(x):
+    """x, kept in the layout it was computed in. Triton moves the elementwise chain that feeds a tl.dot operand into
+    the operand's layout, where, with the warps split along N, every warp holds the whole operand: the bf16 split
+    below then runs 8 times over (and every load feeding it too), which made the fused kernels spill. An opaque
+    identity (an inline `mov` with side effects) stops that; the interpreter has no inline asm."""
+    if COMPILED:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.constexpr_function
+def rotation_terms(dot_fp16):
+    """bf16 terms a rotation's operand is split into: 3 (fp32's 24 significant bits) for fp32 models, 2 (16 bits)
+    for half-precision ones, whose rotated values are rounded to fp16/bf16 next anyway."""
+    return 2 if dot_fp16 else 3
 
 
 @triton.jit
-def product(acc, a, w, DOT_FP16: tl.constexpr):
-    """acc + a @ w: fp16 tensor-core product for half-precision models, exact fp32 otherwise."""
-    if DOT_FP16:
-        acc += tl.dot(a.to(tl.float16), w)
+def _signed_sum(term, signs, acc):
+    """acc + term @ signs, exact products and fp32 sums: bf16 on tensor cores, fp32 in the interpreter (whose
+    tl.dot multiplies bf16 bit patterns as integers)."""
+    if COMPILED:
+        y = tl.dot(term, signs, acc)
     else:
-        acc += tl.dot(a, w.to(tl.float32), input_precision="ieee")
+        y = tl.dot(term.to(tl.float32), signs.to(tl.float32), acc, input_precision="ieee")
+    return y
+
+
+@triton.jit
+def _signed_product(x, signs, DOT_FP16: tl.constexpr):
+    """x @ signs / √128 for x (M, N) fp32: x split exactly into bf16 terms (`rotation_terms`), each times the ±1
+    signs on tensor cores with fp32 accumulation. (An fp32 `tl.dot` of the same product runs on FMA units and
+    holds whole operand rows per thread: it made every fused kernel spill.)"""
+    x = _pinned(x)
+    term = x.to(tl.bfloat16)
+    y = _signed_sum(term, signs, None)
+    for _ in tl.static_range(rotation_terms(DOT_FP16) - 1):
+        x = x - term.to(tl.float32)
+        term = x.to(tl.bfloat16)
+        y = _signed_sum(term, signs, y)
+    return y * _RSQRT_128
+
+
+@triton.jit
+def rotate(x, signs, DOT_FP16: tl.constexpr):
+    """had(x) for x (M, 128) fp32, `signs` = hadamard_signs(128): one product (kernels' epilogues)."""
+    return _signed_product(x, signs, DOT_FP16)
+
+
+@triton.jit
+def rotate_halves(lo, hi, signs, DOT_FP16: tl.constexpr):
+    """had of 128-wide rows held as two (M, 64) halves, as two halves, `signs` = hadamard_signs(64):
+    H128 = [[S, S], [S, -S]] / √128, so [lo | hi] @ H128 = [(lo + hi) @ S, (lo - hi) @ S] / √128 (one butterfly,
+    then two 64-point products: half the work of two (M, 128) x (128, 64) products)."""
+    return _signed_product(lo + hi, signs, DOT_FP16), _signed_product(lo - hi, signs, DOT_FP16)
+
+
+@triton.jit
+def _product(acc, a, w, DOT_FP16: tl.constexpr):
+    """acc + a @ w: fp16 tensor cores for half-precision models (a rounded to fp16, as exllamav3 rounds the
+    rotated input), exact fp32 otherwise."""
+    if DOT_FP16:
+        acc = tl.dot(a.to(tl.float16), w, acc)
+    else:
+        acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
-    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128] for one 128-wide input piece a (M, 128) fp32.
+def rotated_product(acc, a_lo, a_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
+    """acc + had([a_lo | a_hi]) @ W_hat[k0:+128, n0:+128] for one 128-wide input piece held as two (M, 64) fp32
+    halves, `signs` = hadamard_signs(64). The rotated halves meet the piece's two 64 x 128 row halves, decoded
+    one at a time (a 64 x 128 block is 256 tile groups: one per thread, the decode's design)."""
+    x_lo, x_hi = rotate_halves(a_lo, a_hi, signs, DOT_FP16)
+    acc = _product(acc, x_lo, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    return _product(acc, x_hi, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF),
+                    DOT_FP16)
 
-    Computed as two 64-row halves of the piece (rotated input columns 0-63 against weight rows k0..k0+63, then
-    the rest), so one decode holds 64 x 128 weights: half the registers of a whole piece."""
-    scaled = a * scale[None, :]
-    w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, 64, 128)
-    acc = product(acc, tl.dot(scaled, had_lo, input_precision="ieee"), w, DOT_FP16)
-    w = decode_block(trellis, k0 + 64, n0, size_n, twice_k, codebook, 64, 128)
-    return product(acc, tl.dot(scaled, had_hi, input_precision="ieee"), w, DOT_FP16)
+
+@triton.jit
+def load_row_halves(rows_ptr, row_ok, k0, limit, start=0):
+    """Columns k0..k0+127 of the rows at `rows_ptr` ((M, 1) pointers) as two (M, 64) fp32 halves, zero on masked
+    rows and outside columns [start, limit)."""
+    lo_cols = k0 + tl.arange(0, HALF)[None, :]
+    hi_cols = lo_cols + HALF
+    lo = tl.load(rows_ptr + lo_cols, mask=row_ok[:, None] & (lo_cols >= start) & (lo_cols < limit), other=0.0)
+    hi = tl.load(rows_ptr + hi_cols, mask=row_ok[:, None] & (hi_cols >= start) & (hi_cols < limit), other=0.0)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def load_vector_halves(ptr, k0):
+    """Entries k0..k0+127 of a vector (a scale) as two (1, 64) fp32 halves, to broadcast over rows."""
+    offs = k0 + tl.arange(0, HALF)[None, :]
+    return tl.load(ptr + offs).to(tl.float32), tl.load(ptr + offs + HALF).to(tl.float32)
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from .linear import LinearShard
 from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
-from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard,
-                           load_hadamard_half, rotated_product, split_for)
+from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
+                           load_vector_halves, rotate, rotated_product, split_for)
 
 PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
@@ -38,7 +38,7 @@ SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up
 
 @triton.jit
 def linear_kernel(
-    x_ptr, stride_xm, rows, pieces_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, stride_om, partial_ptr, partial_cols,
+    x_ptr, stride_xm, rows, pieces_ptr, suh_ptr, svh_ptr, out_ptr, stride_om, partial_ptr, partial_cols,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
     DIRECT: tl.constexpr,
 ):
@@ -58,20 +58,18 @@ def linear_kernel(
     parts = tl.num_programs(2)
     steps = size_k // 128
     per_part = (steps + parts - 1) // parts
-    offs = tl.arange(0, 128)
-    had = load_hadamard(had_ptr)
-    had_lo = load_hadamard_half(had_ptr, 0)
-    had_hi = load_hadamard_half(had_ptr, 1)
+    signs = hadamard_signs(HALF)
     acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm - in_offset  # cover column c reads input column c - in_offset
     for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
         k0 = step * 128
-        column = k0 + offs - in_offset  # the input column each cover column reads
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + column[None, :],
-                    mask=row_ok[:, None] & ((column >= 0) & (column < in_size))[None, :], other=0.0).to(tl.float32)
-        suh = tl.load(suh_ptr + suh_at + k0 + offs).to(tl.float32)
-        acc = rotated_product(acc, a, suh, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+        a_lo, a_hi = load_row_halves(x_rows, row_ok, k0, in_offset + in_size, in_offset)
+        suh_lo, suh_hi = load_vector_halves(suh_ptr + suh_at, k0)
+        acc = rotated_product(acc, a_lo * suh_lo, a_hi * suh_hi, signs, trellis, k0, n0, size_n, twice_k, codebook,
+                              DOT_FP16)
+    offs = tl.arange(0, 128)
     svh = tl.load(svh_ptr + tl.load(piece + 9) + n0 + offs).to(tl.float32)
-    y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
+    y = rotate(acc, hadamard_signs(128), DOT_FP16) * svh[None, :]  # had(acc) ⊙ svh
     cover = n0 + offs
     if DIRECT:
         keep = (cover >= tl.load(piece + 11)) & (cover < tl.load(piece + 12))
@@ -106,10 +104,10 @@ def linear_finish_kernel(partial_ptr, parts, rows, partial_cols, source_ptr, out
     tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_linear(x, pieces, had, suh, svh, out, partial, twice_k, codebook, block_m, dot_fp16):
+def _launch_linear(x, pieces, suh, svh, out, partial, twice_k, codebook, block_m, dot_fp16):
     rows, parts, partial_cols = x.shape[0], partial.shape[0], partial.shape[2]
     linear_kernel[(triton.cdiv(rows, block_m), pieces.shape[0], parts)](
-        x, x.stride(0), rows, pieces, had, suh, svh, out, out.stride(0), partial, partial_cols,
+        x, x.stride(0), rows, pieces, suh, svh, out, out.stride(0), partial, partial_cols,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
         num_warps=MATMUL_WARPS,
     )
@@ -123,7 +121,7 @@ def _launch_finish(partial, source, out):
 
 _linear = register_launch(
     "linear_triton",
-    "Tensor x, Tensor pieces, Tensor had, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int twice_k, "
+    "Tensor x, Tensor pieces, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int twice_k, "
     "int codebook, int block_m, bool dot_fp16",
     _launch_linear,
 )
@@ -169,7 +167,6 @@ class FusedTritonLinear:
         self.twice_k = rates.pop() if len(rates) == 1 else MIXED_RATES
         self.out_features = len(source)
         self.partial_cols = sum(s.layer.out_features for s in self.shards)
-        self.had = hadamard(device)
         self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
         self.device = device
         steps = max(s.layer.in_features for s in self.shards) // PIECE
@@ -191,7 +188,7 @@ class FusedTritonLinear:
             partial = self.no_partial
         else:
             partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
-        _linear(rows, self.pieces, self.had, self.suh, self.svh, out, partial, self.twice_k, self.codebook, block_m,
+        _linear(rows, self.pieces, self.suh, self.svh, out, partial, self.twice_k, self.codebook, block_m,
                 self.dot_fp16)
         if parts > 1:
             _finish(partial, self.source, out)
@@ -206,7 +203,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
     the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook.
     (The finish kernel reads no trellis.)"""
-    signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64", "had_ptr": "*fp32",
+    signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64",
                  "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
                  "partial_ptr": "*fp32", "partial_cols": "i32"}
     return [

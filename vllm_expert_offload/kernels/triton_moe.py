@@ -13,10 +13,10 @@ is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
 
 1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
    input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
-   multiplied; the two fp32 accumulators stored as this part's partial sums (not yet rotated back).
-2. `moe_down_kernel`: per 128-wide piece of the intermediate: gate and up summed over parts in order, rotated
-   back (⊙ svh), clamped (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels (`keep_channels`),
-   ⊙ suh of down and rotated in; down decoded and multiplied; the output piece rotated back, ⊙ svh, times the
+   multiplied; after the K loop the two fp32 accumulators rotated back, ⊙ svh, and stored as this part's share.
+2. `moe_down_kernel`: per 128-wide piece of the intermediate: gate and up summed over parts in order, clamped
+   (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels (`keep_channels`, compiled only where this
+   rank drops some), ⊙ suh of down and rotated in; down decoded and multiplied; the output piece rotated back, ⊙ svh, times the
    router weight (unless applied on the input), stored per slot and part.
 3. `moe_sum_kernel`: each token's slots (and parts) summed in a fixed order (deterministic), cast to the
    model's dtype.
@@ -48,8 +48,8 @@ from .matrix_table import matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
-from .triton_fused import (MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard, load_hadamard, load_hadamard_half,
-                           rotated_product, split_for, write_through)
+from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
+                           load_vector_halves, rotate, rotated_product, split_for, write_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
@@ -86,25 +86,32 @@ def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, bl
 
 
 @triton.jit
-def _piece_product(acc, a, scale, had_lo, had_hi, trellis_table, twice_k_table, codebook_table, fill_table, matrix,
-                   k0, n0, size_n, write, TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr,
-                   FILL: tl.constexpr):
-    """acc + had(a ⊙ scale) @ W_hat[k0:+128, n0:+128] of `matrix` in a table (2K and codebook constexprs when the
-    table is uniform, else read per matrix); the piece's trellis words copied to the matrix's fill address first
-    when this program writes through and there is one."""
+def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, TWICE_K: tl.constexpr,
+            CODEBOOK: tl.constexpr, FILL: tl.constexpr):
+    """(trellis address, 2K, codebook, fill address or 0) of `matrix` in a table, read once before a kernel's K
+    loop (2K and codebook are the constexprs when the table is uniform)."""
     trellis = tl.load(trellis_table + matrix)
     twice_k, codebook = matrix_rate(twice_k_table + matrix, codebook_table + matrix, TWICE_K, CODEBOOK)
+    fill = tl.load(fill_table + matrix) if FILL else 0
+    return trellis, twice_k, codebook, fill
+
+
+@triton.jit
+def _piece_product(acc, a_lo, a_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
+                   DOT_FP16: tl.constexpr, FILL: tl.constexpr):
+    """acc + had([a_lo | a_hi]) @ W_hat[k0:+128, n0:+128] of one matrix (`rotated_product`); the
+    piece's trellis words copied to the matrix's fill address first when this program writes through and there
+    is one."""
     if FILL:
-        fill = tl.load(fill_table + matrix)
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
-    return rotated_product(acc, a, scale, had_lo, had_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+    return rotated_product(acc, a_lo, a_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
 
 
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
-    row_ids_ptr, block_matrix_ptr, had_ptr, suh_gate_ptr, suh_up_ptr,
+    row_ids_ptr, block_matrix_ptr, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr,
     gate_trellis, gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill,
     size_k, size_n, steps, partial_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
@@ -112,89 +119,103 @@ def moe_gate_up_kernel(
     DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """partial[part, 0|1, slot, n0:+128] = had(x ⊙ suh) @ W_hat(gate|up) over this part's input pieces."""
+    """partial[part, 0|1, slot, n0:+128] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's input
+    pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here rather
+    than once per K step of the down kernel."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
         n0 = tl.program_id(1) * 128
         part = tl.program_id(2)
-        offs = tl.arange(0, 128)
         tokens = rows // TOP_K
-        had_lo = load_hadamard_half(had_ptr, 0)
-        had_hi = load_hadamard_half(had_ptr, 1)
+        signs = hadamard_signs(HALF)
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
         acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        gate = _matrix(gate_trellis, gate_twice_k, gate_codebook, gate_fill, matrix, TWICE_K_GATE, CODEBOOK_GATE, FILL)
+        up = _matrix(up_trellis, up_twice_k, up_codebook, up_fill, matrix, TWICE_K_UP, CODEBOOK_UP, FILL)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
             k0 = step * 128
-            offs_k = k0 + offs
-            a = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
-                        mask=row_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)
+            a_lo, a_hi = load_row_halves(x_ptr + tokens[:, None] * stride_xm, row_ok, k0, hidden)
             if ROUTE_ON_INPUT:
-                a = a * route.to(tl.float32)[:, None]
-            suh = tl.load(suh_gate_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc_gate = _piece_product(acc_gate, a, suh, had_lo, had_hi, gate_trellis, gate_twice_k, gate_codebook,
-                                      gate_fill, matrix, k0, n0, size_n, first, TWICE_K_GATE, CODEBOOK_GATE,
+                a_lo = a_lo * route.to(tl.float32)[:, None]
+                a_hi = a_hi * route.to(tl.float32)[:, None]
+            suh_lo, suh_hi = load_vector_halves(suh_gate_ptr + matrix * size_k, k0)
+            acc_gate = _piece_product(acc_gate, a_lo * suh_lo, a_hi * suh_hi, signs, *gate, k0, n0, size_n, first,
                                       DOT_FP16, FILL)
-            suh = tl.load(suh_up_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc_up = _piece_product(acc_up, a, suh, had_lo, had_hi, up_trellis, up_twice_k, up_codebook, up_fill,
-                                    matrix, k0, n0, size_n, first, TWICE_K_UP, CODEBOOK_UP, DOT_FP16, FILL)
-        out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + n0 + offs[None, :]
-        tl.store(out, acc_gate, mask=row_ok[:, None])
-        tl.store(out + num_slots * size_n, acc_up, mask=row_ok[:, None])
+            suh_lo, suh_hi = load_vector_halves(suh_up_ptr + matrix * size_k, k0)
+            acc_up = _piece_product(acc_up, a_lo * suh_lo, a_hi * suh_hi, signs, *up, k0, n0, size_n, first,
+                                    DOT_FP16, FILL)
+        signs = hadamard_signs(128)
+        offs = n0 + tl.arange(0, 128)
+        out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + offs[None, :]
+        svh = tl.load(svh_gate_ptr + matrix * size_n + offs).to(tl.float32)
+        tl.store(out, rotate(acc_gate, signs, DOT_FP16) * svh[None, :], mask=row_ok[:, None])
+        svh = tl.load(svh_up_ptr + matrix * size_n + offs).to(tl.float32)
+        tl.store(out + num_slots * size_n, rotate(acc_up, signs, DOT_FP16) * svh[None, :], mask=row_ok[:, None])
+
+
+@triton.jit
+def _activation(gate, up, swiglu_limit, CLAMP: tl.constexpr):
+    """SiLU(gate) · up with vLLM's optional clamp (gate from above, up both ways)."""
+    if CLAMP:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
 def moe_down_kernel(
     partial_ptr, gate_parts, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
-    row_ids_ptr, block_matrix_ptr, had_ptr, svh_gate_ptr, svh_up_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
+    row_ids_ptr, block_matrix_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
     swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
-    CLAMP: tl.constexpr,
+    CLAMP: tl.constexpr, CROP: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """out[part, slot, n0:+128] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces."""
+    """out[part, slot, n0:+128] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces,
+    gate and up the sums of the gate/up kernel's parts (already rotated back)."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
         n0 = tl.program_id(1) * 128
         part = tl.program_id(2)
-        offs = tl.arange(0, 128)
-        had = load_hadamard(had_ptr)
-        had_lo = load_hadamard_half(had_ptr, 0)
-        had_hi = load_hadamard_half(had_ptr, 1)
+        signs = hadamard_signs(HALF)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        down = _matrix(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
             k0 = step * 128
-            offs_k = k0 + offs
-            gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+            gate_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+            gate_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+            up_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+            up_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
             for gate_part in range(gate_parts):  # in order: deterministic
-                where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k + offs_k[None, :]
-                gate += tl.load(where, mask=row_ok[:, None], other=0.0)
-                up += tl.load(where + num_slots * size_k, mask=row_ok[:, None], other=0.0)
-            gate = tl.dot(gate, had, input_precision="ieee") * tl.load(svh_gate_ptr + matrix * size_k + offs_k).to(
-                tl.float32)[None, :]
-            up = tl.dot(up, had, input_precision="ieee") * tl.load(svh_up_ptr + matrix * size_k + offs_k).to(
-                tl.float32)[None, :]
-            if CLAMP:
-                gate = tl.minimum(gate, swiglu_limit)
-                up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-            act = gate * tl.sigmoid(gate) * up * tl.load(keep_ptr + offs_k)[None, :]
-            suh = tl.load(suh_down_ptr + matrix * size_k + offs_k).to(tl.float32)
-            acc = _piece_product(acc, act, suh, had_lo, had_hi, down_trellis, down_twice_k, down_codebook, down_fill,
-                                 matrix, k0, n0, size_n, first, TWICE_K, CODEBOOK, DOT_FP16, FILL)
-        svh = tl.load(svh_down_ptr + matrix * size_n + n0 + offs).to(tl.float32)
-        y = tl.dot(acc, had, input_precision="ieee") * svh[None, :]  # had(acc) ⊙ svh
+                where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k
+                lo, hi = load_row_halves(where, row_ok, k0, size_k)
+                gate_lo += lo
+                gate_hi += hi
+                lo, hi = load_row_halves(where + num_slots * size_k, row_ok, k0, size_k)
+                up_lo += lo
+                up_hi += hi
+            suh_lo, suh_hi = load_vector_halves(suh_down_ptr + matrix * size_k, k0)
+            if CROP:  # this rank's channels only
+                keep_lo, keep_hi = load_vector_halves(keep_ptr, k0)
+                suh_lo = suh_lo * keep_lo
+                suh_hi = suh_hi * keep_hi
+            act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
+            act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
+            acc = _piece_product(acc, act_lo, act_hi, signs, *down, k0, n0, size_n, first, DOT_FP16, FILL)
+        offs = n0 + tl.arange(0, 128)
+        svh = tl.load(svh_down_ptr + matrix * size_n + offs).to(tl.float32)
+        y = rotate(acc, hadamard_signs(128), DOT_FP16) * svh[None, :]  # had(acc) ⊙ svh
         if not ROUTE_ON_INPUT:
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
             y = y * route.to(tl.float32)[:, None]
-        tl.store(out_ptr + (part * num_slots + rows[:, None]) * size_n + n0 + offs[None, :], y,
-                 mask=row_ok[:, None])
+        tl.store(out_ptr + (part * num_slots + rows[:, None]) * size_n + offs[None, :], y, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -211,7 +232,7 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up, gate_trellis, gate_twice_k,
+def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis, gate_twice_k,
                     gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
                     twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
     parts, _, num_slots, size_n = partial.shape
@@ -220,7 +241,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up,
     fill = gate_fill is not None
     moe_gate_up_kernel[(blocks, size_n // PIECE, parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
-        num_slots, row_ids, block_matrix, had, suh_gate, suh_up,
+        num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
         size_k, size_n, size_k // PIECE, partial,
@@ -231,21 +252,22 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, had, suh_gate, suh_up,
     )
 
 
-def _launch_down(partial, route, ids, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
+def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh_down,
                  down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, block_m,
                  dedup, route_on_input, dot_fp16):
     parts, num_slots, size_n = out.shape
-    size_k = keep.shape[0]
+    size_k = partial.shape[3]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = down_fill is not None
+    crop = keep is not None
     moe_down_kernel[(blocks, size_n // PIECE, parts)](
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
-        num_slots, row_ids, block_matrix, had, svh_gate, svh_up, keep, suh_down, svh_down,
+        num_slots, row_ids, block_matrix, keep if crop else partial, suh_down, svh_down,
         0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
         down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        CLAMP=swiglu_limit is not None,
+        CLAMP=swiglu_limit is not None, CROP=crop,
         FILL=fill, num_warps=MATMUL_WARPS,
     )
 
@@ -257,11 +279,11 @@ def _launch_sum(y, out, top_k):
         y, parts, num_slots, size_n, hidden, out, out.stride(0), TOP_K=top_k, BLOCK=SUM_BLOCK)
 
 
-_ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix, Tensor had"
+_ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix"
 _FLAGS = "int block_m, bool dedup, bool route_on_input, bool dot_fp16"
 _gate_up = register_launch(
     "moe_gate_up_triton",
-    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor gate_trellis, Tensor gate_twice_k, "
+    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, Tensor gate_twice_k, "
     "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
     f"Tensor? up_fill, Tensor(a!) partial, int twice_k_gate, int twice_k_up, int codebook_gate, int codebook_up, "
     f"{_FLAGS}",
@@ -269,7 +291,7 @@ _gate_up = register_launch(
 )
 _down = register_launch(
     "moe_down_triton",
-    f"Tensor partial, {_ROUTING}, Tensor svh_gate, Tensor svh_up, Tensor keep, Tensor suh_down, Tensor svh_down, "
+    f"Tensor partial, {_ROUTING}, Tensor? keep, Tensor suh_down, Tensor svh_down, "
     "Tensor down_trellis, Tensor down_twice_k, Tensor down_codebook, Tensor? down_fill, Tensor(a!) out, "
     f"float? swiglu_limit, int twice_k, int codebook, {_FLAGS}",
     _launch_down,
@@ -299,11 +321,11 @@ class FusedTritonMoE:
         self.swiglu_limit = swiglu_limit
         self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
         self.device = device
-        self.had = hadamard(device)
         intermediate = self.tables["gate"].out_features
-        keep = torch.zeros(intermediate, device=device)
-        keep[crop.offset : crop.offset + crop.intermediate] = 1.0
-        self.keep_channels = keep
+        self.keep_channels = None  # the down kernel compiles without the crop where this rank keeps every channel
+        if (crop.offset, crop.intermediate) != (0, intermediate):
+            self.keep_channels = torch.zeros(intermediate, device=device)
+            self.keep_channels[crop.offset : crop.offset + crop.intermediate] = 1.0
         self.no_blocks = torch.zeros(1, dtype=torch.int32, device=device)  # decode's unread row_ids/block_matrix
         self.fill: dict[str, torch.Tensor] | None = None  # write_through()
         self.cache = cache
@@ -351,13 +373,14 @@ class FusedTritonMoE:
         partial = WORKSPACES.take(self.device, "moe_partial", (gate_parts, 2, slots, gate.out_features))
         y = WORKSPACES.take(self.device, "moe_out", (down_parts, slots, down.out_features))
         out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
-        routing = (topk_weights, topk_ids, row_ids, block_matrix, self.had)
+        routing = (topk_weights, topk_ids, row_ids, block_matrix)
         flags = (block_m, dedup, apply_router_weight_on_input, self.dot_fp16)
         _gate_up(x, *routing, self.scales[("gate", "suh")], self.scales[("up", "suh")],
+                 self.scales[("gate", "svh")], self.scales[("up", "svh")],
                  gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
                  up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
                  gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
-        _down(partial, *routing, self.scales[("gate", "svh")], self.scales[("up", "svh")], self.keep_channels,
+        _down(partial, *routing, self.keep_channels,
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
               self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
@@ -383,8 +406,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     codebook = _CODEBOOK_IDS[shape.codebook]
     twice_k = int(2 * shape.k_bits)
     routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
-               "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32",
-               "had_ptr": "*fp32"}
+               "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32"}
     table = {"trellis": "*i64", "twice_k": "*i32", "codebook": "*i32", "fill": "*i64"}
     kernels = []
     for dtype, pointer in _TRITON_DTYPES.items():
@@ -395,7 +417,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                          SLOTS_P2=triton.next_power_of_2(shape.top_k) if dedup else 1, DOT_FP16=dtype != "fp32",
                          ROUTE_ON_INPUT=False, FILL=False)
             gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
-                       "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16",
+                       "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16",
                        **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
                        "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32"}
             kernels.append(StaticKernel(
@@ -403,12 +425,11 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                 {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
                  "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
                 trellis_arg="gate_trellis"))
-            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "svh_gate_ptr": "*fp16",
-                    "svh_up_ptr": "*fp16", "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
+            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
                     "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
                     "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
-                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False}, MATMUL_WARPS, 3, PIECE * PIECE,
+                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False}, MATMUL_WARPS, 3, PIECE * PIECE,
                 dtype=dtype, trellis_arg="down_trellis"))
     return kernels
