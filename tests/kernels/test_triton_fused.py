@@ -65,6 +65,15 @@ def test_fused_moe_matches_table_kernel(fused_layer, tokens: int) -> None:
     assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
 
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_fused_moe_pairs_of_output_pieces(tokens: int) -> None:
+    """Hidden 256, intermediate 384: at decode every gate/up and down program takes two 128-wide output pieces (the
+    last gate/up program one alone: 384 is three pieces), at prefill one; both equal the torch reference."""
+    reference, fused, _ = placed_moe(ExpertCrop(256, 384, 0), _builder(SPLIT), hidden=256, intermediate=384)
+    x, weights, ids = routing(tokens, seed=11, hidden=256)
+    assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
+
+
 def test_fused_moe_unsplit_matches_split() -> None:
     """The decode path without a split input (what a small GPU gets) computes the same layer."""
     reference, fused, _ = placed_moe(FULL, _builder((1, 1)))

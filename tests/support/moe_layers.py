@@ -41,9 +41,9 @@ TIERS = (True, False, True, False, False, True)  # GPU tier (registry addresses)
 RATES = [(3, "mul1"), (2.5, "mul1"), (4, "mcg"), (2, "3inst"), (3, "mul1"), (5, "mul1")]
 
 
-def expert_sets(seed: int) -> list[dict[str, Exl3Linear]]:
+def expert_sets(seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> list[dict[str, Exl3Linear]]:
     """Mixed K and codebooks across experts and across the three projections of one expert."""
-    shapes = {"gate": (HIDDEN, INTERMEDIATE), "up": (HIDDEN, INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}
+    shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
     sets = []
     for e, _ in enumerate(TIERS):
         sets.append({
@@ -56,11 +56,11 @@ def expert_sets(seed: int) -> list[dict[str, Exl3Linear]]:
 
 def placed_moe(
     crop: ExpertCrop, backend: MatmulBackend | Callable[[MoELayer], object], swiglu_limit: float | None = None,
-    seed: int = 0, device: torch.device = CPU,
+    seed: int = 0, device: torch.device = CPU, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
 ):
     """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena.
     `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer (top-k 2)."""
-    sets = expert_sets(seed)
+    sets = expert_sets(seed, hidden, intermediate)
     arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]
     experts, scales = stack_scales(placed, device)
@@ -74,9 +74,10 @@ def placed_moe(
     return reference, kernel, arena
 
 
-def routing(tokens: int, seed: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(tokens: int, seed: int, device: torch.device = CPU,
+            hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(len(TIERS), generator=gen)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=gen)
     return x.to(device), weights.to(device), ids.to(device)

@@ -114,11 +114,10 @@ def _product(acc, a, w, DOT_FP16: tl.constexpr):
 
 
 @triton.jit
-def rotated_product(acc, a_lo, a_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
-    """acc + had([a_lo | a_hi]) @ W_hat[k0:+128, n0:+128] for one 128-wide input piece held as two (M, 64) fp32
-    halves, `signs` = hadamard_signs(64). The rotated halves meet the piece's two 64 x 128 row halves, decoded
-    one at a time (a 64 x 128 block is 256 tile groups: one per thread, the decode's design)."""
-    x_lo, x_hi = rotate_halves(a_lo, a_hi, signs, DOT_FP16)
+def piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
+    """acc + [x_lo | x_hi] @ W_hat[k0:+128, n0:+128] for one rotated 128-wide input piece held as two (M, 64) fp32
+    halves (`rotate_halves`): each half meets one 64 x 128 row half of the W_hat piece, decoded one at a time (a
+    64 x 128 block is 256 tile groups: one per thread, the decode's design)."""
     acc = _product(acc, x_lo, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     return _product(acc, x_hi, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF),
                     DOT_FP16)

@@ -1,10 +1,11 @@
 """A dense EXL3 linear (every shard of one vLLM layer) in one Triton launch, or two when its input is split.
 
 The layer's output is the concatenation, per shard, of this rank's part of the shard's 128-aligned cover,
-followed by zero padding rows (a padded vocabulary); the shards' covers are cut into 128-wide output pieces,
-listed at load in one small int64 table (`PIECE_FIELDS` per piece). A program takes BLOCK_M rows and one piece:
-the input at the shard's offset inside its cover, ⊙ suh and rotated in-kernel, multiplied by the decoded piece
-of W_hat (`triton_decode.decode_block`) over the 128-wide input pieces of its part, rotated back ⊙ svh.
+followed by zero padding rows (a padded vocabulary); the shards' covers are cut into 256-wide output pairs of
+128-wide pieces (the last one of a cover may be alone), listed at load in one small int64 table (`PIECE_FIELDS`
+per pair). A program takes BLOCK_M rows and one pair: the input at the shard's offset inside its cover, ⊙ suh and
+rotated in-kernel once per step for both pieces, multiplied by each decoded piece of W_hat
+(`triton_decode.decode_block`) over the 128-wide input pieces of its part, each rotated back ⊙ svh.
 - one part (`linear_kernel` alone): the program stores the cropped piece straight into the output, cast to the
   model's dtype; the program of a shard's first piece also zeroes the shard's padding rows;
 - several parts (decode, so that the grid fills the GPU at batch 1; `triton_fused.split_for`): each part stores
@@ -27,7 +28,7 @@ from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, rotate, rotated_product, split_for)
+                           load_vector_halves, piece_product, rotate, rotate_halves, split_for)
 
 PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
@@ -42,7 +43,7 @@ def linear_kernel(
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
     DIRECT: tl.constexpr,
 ):
-    """One (BLOCK_M rows, 128-wide output piece, part of the input) product; see the module docstring."""
+    """One (BLOCK_M rows, 256-wide output pair, part of the input) product; see the module docstring."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
     piece = pieces_ptr + tl.program_id(1) * 16
@@ -51,6 +52,7 @@ def linear_kernel(
     size_k = tl.load(piece + 3)
     size_n = tl.load(piece + 4)
     n0 = tl.load(piece + 5)
+    second = n0 + 128 < size_n  # the pair's second piece exists
     in_offset = tl.load(piece + 6)
     in_size = tl.load(piece + 7)
     suh_at = tl.load(piece + 8)
@@ -60,32 +62,50 @@ def linear_kernel(
     per_part = (steps + parts - 1) // parts
     signs = hadamard_signs(HALF)
     acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    acc_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None] * stride_xm - in_offset  # cover column c reads input column c - in_offset
     for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
         k0 = step * 128
         a_lo, a_hi = load_row_halves(x_rows, row_ok, k0, in_offset + in_size, in_offset)
         suh_lo, suh_hi = load_vector_halves(suh_ptr + suh_at, k0)
-        acc = rotated_product(acc, a_lo * suh_lo, a_hi * suh_hi, signs, trellis, k0, n0, size_n, twice_k, codebook,
-                              DOT_FP16)
+        x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
+        acc = piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+        if second:
+            acc_second = piece_product(acc_second, x_lo, x_hi, trellis, k0, n0 + 128, size_n, twice_k, codebook,
+                                       DOT_FP16)
+    signs = hadamard_signs(128)
+    _store_piece(out_ptr, stride_om, partial_ptr, partial_cols, rows, offs_m, row_ok, piece, part, n0, acc,
+                 signs, svh_ptr, DOT_FP16, DIRECT)
+    if second:
+        _store_piece(out_ptr, stride_om, partial_ptr, partial_cols, rows, offs_m, row_ok, piece, part, n0 + 128,
+                     acc_second, signs, svh_ptr, DOT_FP16, DIRECT)
+    if DIRECT and n0 == 0:  # the shard's zero padding rows
+        offs = tl.arange(0, 128)
+        pad_lo = tl.load(piece + 13)
+        pad_hi = tl.load(piece + 14)
+        zeros = tl.zeros((BLOCK_M, 128), dtype=out_ptr.dtype.element_ty)
+        for col in range(pad_lo, pad_hi, 128):
+            pad = col + offs
+            tl.store(out_ptr + offs_m[:, None] * stride_om + pad[None, :], zeros,
+                     mask=row_ok[:, None] & (pad < pad_hi)[None, :])
+
+
+@triton.jit
+def _store_piece(out_ptr, stride_om, partial_ptr, partial_cols, rows, offs_m, row_ok, piece, part, n0, acc, signs,
+                 svh_ptr, DOT_FP16: tl.constexpr, DIRECT: tl.constexpr):
+    """had(acc) ⊙ svh for the cover columns n0..n0+127: straight into the output, cropped to this rank's rows and
+    cast (one part), or as this part's fp32 partial."""
     offs = tl.arange(0, 128)
     svh = tl.load(svh_ptr + tl.load(piece + 9) + n0 + offs).to(tl.float32)
-    y = rotate(acc, hadamard_signs(128), DOT_FP16) * svh[None, :]  # had(acc) ⊙ svh
+    y = rotate(acc, signs, DOT_FP16) * svh[None, :]
     cover = n0 + offs
     if DIRECT:
         keep = (cover >= tl.load(piece + 11)) & (cover < tl.load(piece + 12))
         out_col = cover + tl.load(piece + 10)
         tl.store(out_ptr + offs_m[:, None] * stride_om + out_col[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & keep[None, :])
-        if n0 == 0:  # the shard's zero padding rows
-            pad_lo = tl.load(piece + 13)
-            pad_hi = tl.load(piece + 14)
-            zeros = tl.zeros((BLOCK_M, 128), dtype=out_ptr.dtype.element_ty)
-            for col in range(pad_lo, pad_hi, 128):
-                pad = col + offs
-                tl.store(out_ptr + offs_m[:, None] * stride_om + pad[None, :], zeros,
-                         mask=row_ok[:, None] & (pad < pad_hi)[None, :])
     else:
-        column = tl.load(piece + 15) + n0 + offs
+        column = tl.load(piece + 15) + cover
         tl.store(partial_ptr + (part * rows + offs_m[:, None]) * partial_cols + column[None, :], y,
                  mask=row_ok[:, None])
 
@@ -129,7 +149,8 @@ _finish = register_launch("linear_finish_triton", "Tensor partial, Tensor source
 
 
 def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[int]]:
-    """(one PIECE_FIELDS row per 128-wide piece of every cover, the partial column of each output column or -1)."""
+    """(one PIECE_FIELDS row per pair of 128-wide pieces of every cover, the partial column of each output column or
+    -1)."""
     pieces, source = [], []
     suh_at = svh_at = out_base = partial_base = 0
     for shard in shards:
@@ -139,7 +160,7 @@ def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[i
                       in_size=shard.in_size, suh=suh_at, svh=svh_at, out_shift=out_base - shard.out_offset,
                       out_lo=shard.out_offset, out_hi=shard.out_offset + shard.out_valid,
                       pad_lo=out_base + shard.out_valid, pad_hi=out_base + shard.out_rows)
-        for n0 in range(0, layer.out_features, PIECE):
+        for n0 in range(0, layer.out_features, 2 * PIECE):  # a program's pair of pieces
             pieces.append([{**fields, "n0": n0, "partial_col": partial_base}[name] for name in PIECE_FIELDS])
         source += [partial_base + shard.out_offset + i for i in range(shard.out_valid)]
         source += [-1] * (shard.out_rows - shard.out_valid)
@@ -212,7 +233,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
             {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
              "DOT_FP16": dtype != "fp32", "BLOCK_M": SMALL_BLOCK_M, "DIRECT": direct},
-            MATMUL_WARPS, 3, PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
+            MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
         )
         for dtype in ("fp16", "bf16", "fp32") for direct in (True, False)
     ]

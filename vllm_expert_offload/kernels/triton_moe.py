@@ -1,8 +1,9 @@
 """One MoE layer's routed experts in three Triton launches: gate+up, down, and the per-token sum.
 
 Rows are slots: slot s = t·top_k + j is token t's j-th pick, expert topk_ids[t, j]. A program takes up to
-BLOCK_M slots of one expert and one 128-wide piece of the output (and one part of the input dimension when it
-is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots that chose the expert:
+BLOCK_M slots of one expert and one 128-wide piece of the output (two for down, sharing their input; and one part
+of the input dimension when it is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
+that chose the expert:
 - up to `DEDUP_MAX_TOKENS` tokens: the grid has one program per slot; a program leads when its slot's rank
   among the slots of its expert is a multiple of BLOCK_M (16 up to `DECODE_MAX_TOKENS` tokens, else 64), and
   gathers the slots of that expert ranked from there on; the others exit at once. No torch op builds this:
@@ -14,7 +15,7 @@ is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
 1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
    input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
    multiplied; after the K loop the two fp32 accumulators rotated back, ⊙ svh, and stored as this part's share.
-2. `moe_down_kernel`: per 128-wide piece of the intermediate: gate and up summed over parts in order, clamped
+2. `moe_down_kernel` (two output pieces per program): per 128-wide piece of the intermediate: gate and up summed over parts in order, clamped
    (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels (`keep_channels`, compiled only where this
    rank drops some), ⊙ suh of down and rotated in; down decoded and multiplied; the output piece rotated back, ⊙ svh, times the
    router weight (unless applied on the input), stored per slot and part.
@@ -49,7 +50,7 @@ from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, rotate, rotated_product, split_for, write_through)
+                           load_vector_halves, piece_product, rotate, rotate_halves, split_for, write_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
@@ -97,15 +98,14 @@ def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, TW
 
 
 @triton.jit
-def _piece_product(acc, a_lo, a_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
+def _piece_product(acc, x_lo, x_hi, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
                    DOT_FP16: tl.constexpr, FILL: tl.constexpr):
-    """acc + had([a_lo | a_hi]) @ W_hat[k0:+128, n0:+128] of one matrix (`rotated_product`); the
-    piece's trellis words copied to the matrix's fill address first when this program writes through and there
-    is one."""
+    """acc + [x_lo | x_hi] @ W_hat[k0:+128, n0:+128] of one matrix (`piece_product`, x rotated); the piece's
+    trellis words copied to the matrix's fill address first when this program writes through and there is one."""
     if FILL:
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
-    return rotated_product(acc, a_lo, a_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+    return piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
 
 
 @triton.jit
@@ -116,22 +116,26 @@ def moe_gate_up_kernel(
     size_k, size_n, steps, partial_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K_GATE: tl.constexpr, TWICE_K_UP: tl.constexpr, CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr,
-    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr, PAIR: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """partial[part, 0|1, slot, n0:+128] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's input
-    pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here rather
-    than once per K step of the down kernel."""
+    """partial[part, 0|1, slot, n0:+128·(1+PAIR)] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's
+    input pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here
+    rather than once per K step of the down kernel. With PAIR (decode), two 128-wide output pieces per program
+    share each step's input and its two rotations, as in the down kernel."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0 = tl.program_id(1) * 128
+        n0 = tl.program_id(1) * (256 if PAIR else 128)
+        second = PAIR and (n0 + 128 < size_n)
         part = tl.program_id(2)
         tokens = rows // TOP_K
         signs = hadamard_signs(HALF)
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
         acc_gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        acc_gate_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        acc_up_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         gate = _matrix(gate_trellis, gate_twice_k, gate_codebook, gate_fill, matrix, TWICE_K_GATE, CODEBOOK_GATE, FILL)
         up = _matrix(up_trellis, up_twice_k, up_codebook, up_fill, matrix, TWICE_K_UP, CODEBOOK_UP, FILL)
         per_part = tl.cdiv(steps, tl.num_programs(2))
@@ -142,18 +146,37 @@ def moe_gate_up_kernel(
                 a_lo = a_lo * route.to(tl.float32)[:, None]
                 a_hi = a_hi * route.to(tl.float32)[:, None]
             suh_lo, suh_hi = load_vector_halves(suh_gate_ptr + matrix * size_k, k0)
-            acc_gate = _piece_product(acc_gate, a_lo * suh_lo, a_hi * suh_hi, signs, *gate, k0, n0, size_n, first,
-                                      DOT_FP16, FILL)
+            x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
+            acc_gate = _piece_product(acc_gate, x_lo, x_hi, *gate, k0, n0, size_n, first, DOT_FP16, FILL)
+            if second:
+                acc_gate_second = _piece_product(acc_gate_second, x_lo, x_hi, *gate, k0, n0 + 128, size_n, first,
+                                                 DOT_FP16, FILL)
             suh_lo, suh_hi = load_vector_halves(suh_up_ptr + matrix * size_k, k0)
-            acc_up = _piece_product(acc_up, a_lo * suh_lo, a_hi * suh_hi, signs, *up, k0, n0, size_n, first,
-                                    DOT_FP16, FILL)
+            x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
+            acc_up = _piece_product(acc_up, x_lo, x_hi, *up, k0, n0, size_n, first, DOT_FP16, FILL)
+            if second:
+                acc_up_second = _piece_product(acc_up_second, x_lo, x_hi, *up, k0, n0 + 128, size_n, first, DOT_FP16,
+                                               FILL)
         signs = hadamard_signs(128)
-        offs = n0 + tl.arange(0, 128)
-        out = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n + offs[None, :]
-        svh = tl.load(svh_gate_ptr + matrix * size_n + offs).to(tl.float32)
-        tl.store(out, rotate(acc_gate, signs, DOT_FP16) * svh[None, :], mask=row_ok[:, None])
-        svh = tl.load(svh_up_ptr + matrix * size_n + offs).to(tl.float32)
-        tl.store(out + num_slots * size_n, rotate(acc_up, signs, DOT_FP16) * svh[None, :], mask=row_ok[:, None])
+        gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
+        up_rows = gate_rows + num_slots * size_n
+        _store_rotated(gate_rows, row_ok, n0, acc_gate, signs, svh_gate_ptr + matrix * size_n, DOT_FP16)
+        _store_rotated(up_rows, row_ok, n0, acc_up, signs, svh_up_ptr + matrix * size_n, DOT_FP16)
+        if second:
+            _store_rotated(gate_rows, row_ok, n0 + 128, acc_gate_second, signs, svh_gate_ptr + matrix * size_n,
+                           DOT_FP16)
+            _store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up_ptr + matrix * size_n, DOT_FP16)
+
+
+@triton.jit
+def _store_rotated(out_rows, row_ok, n0, acc, signs, svh_row, DOT_FP16: tl.constexpr, route=None):
+    """Columns n0..n0+127 of the rows at out_rows ((M, 1) pointers): had(acc) ⊙ svh, times the router weights
+    `route` (M,) where given."""
+    offs = n0 + tl.arange(0, 128)
+    y = rotate(acc, signs, DOT_FP16) * tl.load(svh_row + offs).to(tl.float32)[None, :]
+    if route is not None:
+        y = y * route.to(tl.float32)[:, None]
+    tl.store(out_rows + offs[None, :], y, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -172,18 +195,22 @@ def moe_down_kernel(
     swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
-    CLAMP: tl.constexpr, CROP: tl.constexpr,
+    CLAMP: tl.constexpr, CROP: tl.constexpr, PAIR: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """out[part, slot, n0:+128] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces,
-    gate and up the sums of the gate/up kernel's parts (already rotated back)."""
+    """out[part, slot, n0:+128·(1+PAIR)] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's
+    pieces, gate and up the sums of the gate/up kernel's parts (already rotated back). With PAIR (decode), two
+    128-wide output pieces per program (the second where the output has it) share each step's activation and its
+    rotation; 64-row prefill blocks take one (a second (64, 128) accumulator would spill)."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0 = tl.program_id(1) * 128
+        n0 = tl.program_id(1) * (256 if PAIR else 128)
+        second = PAIR and (n0 + 128 < size_n)
         part = tl.program_id(2)
         signs = hadamard_signs(HALF)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        acc_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         down = _matrix(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
@@ -207,15 +234,21 @@ def moe_down_kernel(
                 suh_hi = suh_hi * keep_hi
             act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
             act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
-            acc = _piece_product(acc, act_lo, act_hi, signs, *down, k0, n0, size_n, first, DOT_FP16, FILL)
-        offs = n0 + tl.arange(0, 128)
-        svh = tl.load(svh_down_ptr + matrix * size_n + offs).to(tl.float32)
-        y = rotate(acc, hadamard_signs(128), DOT_FP16) * svh[None, :]  # had(acc) ⊙ svh
+            x_lo, x_hi = rotate_halves(act_lo, act_hi, signs, DOT_FP16)
+            acc = _piece_product(acc, x_lo, x_hi, *down, k0, n0, size_n, first, DOT_FP16, FILL)
+            if second:
+                acc_second = _piece_product(acc_second, x_lo, x_hi, *down, k0, n0 + 128, size_n, first, DOT_FP16,
+                                            FILL)
+        signs = hadamard_signs(128)
+        route = None  # applied on the input
         if not ROUTE_ON_INPUT:
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
-            y = y * route.to(tl.float32)[:, None]
-        tl.store(out_ptr + (part * num_slots + rows[:, None]) * size_n + offs[None, :], y, mask=row_ok[:, None])
+        out_rows = out_ptr + (part * num_slots + rows[:, None]) * size_n
+        _store_rotated(out_rows, row_ok, n0, acc, signs, svh_down_ptr + matrix * size_n, DOT_FP16, route)
+        if second:
+            _store_rotated(out_rows, row_ok, n0 + 128, acc_second, signs, svh_down_ptr + matrix * size_n, DOT_FP16,
+                           route)
 
 
 @triton.jit
@@ -239,7 +272,8 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = gate_fill is not None
-    moe_gate_up_kernel[(blocks, size_n // PIECE, parts)](
+    pair = block_m == DECODE_BLOCK_M
+    moe_gate_up_kernel[(blocks, triton.cdiv(size_n, (1 + pair) * PIECE), parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
@@ -247,7 +281,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
         size_k, size_n, size_k // PIECE, partial,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
-        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
+        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, PAIR=pair,
         FILL=fill, num_warps=MATMUL_WARPS,
     )
 
@@ -260,14 +294,15 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = down_fill is not None
     crop = keep is not None
-    moe_down_kernel[(blocks, size_n // PIECE, parts)](
+    pair = block_m == DECODE_BLOCK_M
+    moe_down_kernel[(blocks, triton.cdiv(size_n, (1 + pair) * PIECE), parts)](
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, keep if crop else partial, suh_down, svh_down,
         0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
         down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        CLAMP=swiglu_limit is not None, CROP=crop,
+        CLAMP=swiglu_limit is not None, CROP=crop, PAIR=pair,
         FILL=fill, num_warps=MATMUL_WARPS,
     )
 
@@ -332,8 +367,9 @@ class FusedTritonMoE:
         hidden_out = self.tables["down"].out_features
         if split is None:
             target = fill_target(device)
-            split = (split_for(self.tables["gate"].in_features // PIECE, top_k * intermediate // PIECE, target),
-                     split_for(intermediate // PIECE, top_k * hidden_out // PIECE, target))
+            split = (split_for(self.tables["gate"].in_features // PIECE, top_k * -(-intermediate // (2 * PIECE)),
+                               target),
+                     split_for(intermediate // PIECE, top_k * -(-hidden_out // (2 * PIECE)), target))
         self.split = split  # (gate/up parts, down parts) at decode
         decode_slots = DECODE_MAX_TOKENS * top_k
         slots = max(max(capture_rows, default=0) * top_k, decode_slots)
@@ -423,13 +459,15 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             kernels.append(StaticKernel(
                 f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
                 {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
-                 "CODEBOOK_UP": codebook}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
+                 "CODEBOOK_UP": codebook, "PAIR": mode == "decode"}, MATMUL_WARPS, 3,
+                2 * (1 + (mode == "decode")) * PIECE * PIECE, dtype=dtype,
                 trellis_arg="gate_trellis"))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
                     "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
                     "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
-                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False}, MATMUL_WARPS, 3, PIECE * PIECE,
+                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False,
+                 "PAIR": mode == "decode"}, MATMUL_WARPS, 3, (1 + (mode == "decode")) * PIECE * PIECE,
                 dtype=dtype, trellis_arg="down_trellis"))
     return kernels
