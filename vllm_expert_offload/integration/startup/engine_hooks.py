@@ -47,8 +47,8 @@ def _wrap_async_builder(original: Callable) -> Callable:
         options = checked_options(engine_args)
         client_index = (kwargs.get("client_config") or {}).get("client_index", 0)
         async with original(engine_args, *args, **kwargs) as client:
-            await run_async(client)
-            async with saving_stats(client, options, client_index), \
+            await run_async(client, client_index)
+            async with saving_stats(client, options, client_index, engine_args.data_parallel_size), \
                     exporting_metrics(client, options.offloads, client_index):
                 yield client
 
