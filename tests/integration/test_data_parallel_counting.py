@@ -8,8 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod
 from vllm_expert_offload.integration.startup import data_parallel
-from vllm_expert_offload.offload.phase import dummy_batch
+from vllm_expert_offload.offload.counters import TierCounters
+from vllm_expert_offload.offload.phase import dummy_batch, dummy_batch_pass
+
+CPU = torch.device("cpu")
 
 
 def _step(monkeypatch, sizes: list[int] | None) -> None:
@@ -43,3 +47,31 @@ def test_dummy_batches_run_under_the_flag() -> None:
     runner = SimpleNamespace(_dummy_run=lambda *args, **kwargs: seen.append(dummy_batch()))
     Worker.execute_dummy_batch(SimpleNamespace(model_runner=runner, randomize_dummy_inputs=False))
     assert seen == [True] and not dummy_batch()
+
+
+class _Kernel:
+    def forward(self, x, weights, ids, on_input):
+        return x
+
+
+def _engine_method(recorded: list) -> Exl3MoEMethod:
+    """A bare EXL3 MoE method of DP rank 1 of 2 (no EP: every expert, as the engine test's other half covers EP)."""
+    method = Exl3MoEMethod.__new__(Exl3MoEMethod)
+    method.kernel, method.expert_map, method.layer_index, method.row = _Kernel(), None, 3, 0
+    method.placement = SimpleNamespace(recording=True, dp_rank=1, dp_size=2, tier_counters=TierCounters(1, CPU),
+                                       record=lambda layer, ids: recorded.append((layer, ids.tolist())))
+    method.in_gpu_tier, method.expert_bytes = torch.ones(8, dtype=torch.bool), torch.full((8,), 100)
+    method.check_ranks, method.apply_router_weight_on_input = False, False
+    return method
+
+
+def test_the_moe_forward_counts_its_engines_rows_and_no_dummy_batch(monkeypatch) -> None:
+    recorded = []
+    method = _engine_method(recorded)
+    gathered = torch.tensor([[0, 1], [2, 3], [4, 5]])  # engine 0's two tokens, then this engine's one
+    _step(monkeypatch, [2, 1])
+    method.moe_forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
+    assert recorded == [(3, [[4, 5]])]
+    with dummy_batch_pass():  # this engine's row is a dummy token: nothing of it is counted
+        method.moe_forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
+    assert recorded == [(3, [[4, 5]])]
