@@ -11,8 +11,10 @@ import multiprocessing
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from vllm_expert_offload.integration.startup.stats_saver import saving_stats
 from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
@@ -171,3 +173,16 @@ def test_a_save_missing_an_engine_writes_nothing(tmp_path, caplog) -> None:
     _save_once(FakeDataParallelClient([[engine_report(0, _engine_counts(0))], [None]]), path)
     assert not path.exists()
     assert "one report from each rank 0..1, got ranks [0]" in caplog.text
+
+
+def test_llm_under_data_parallelism_with_record_stats_is_refused_before_the_engine(tmp_path) -> None:
+    """No API server merges the engines' counts there, and no worker writes alone under DP: refused, not silent."""
+    from vllm_expert_offload.integration.startup.engine_hooks import _wrap_engine_factory
+    from vllm_expert_offload.offload.options import OffloadOptionError
+
+    built = []
+    factory = _wrap_engine_factory(lambda cls, engine_args: built.append(engine_args))
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(tmp_path / "s.json")}}
+    with pytest.raises(OffloadOptionError, match="record_stats: under data parallelism .* Record with vllm serve"):
+        factory(None, SimpleNamespace(additional_config=offload, data_parallel_size=2))
+    assert built == []
