@@ -65,9 +65,9 @@ def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts
     if quant_config.placement is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         cache = _cache_settings(quant_config.options, kernels, parallel.use_ep)
+        first_in_engine = parallel.dp_size == 1 or get_tensor_model_parallel_rank() == 0  # reports under DP
         placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
-                                     rank, parallel.dp_rank, parallel.dp_size, cache,
-                                     first_in_engine=parallel.dp_size == 1 or get_tensor_model_parallel_rank() == 0)
+                                     rank, parallel.dp_rank, parallel.dp_size, cache, first_in_engine)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
         quant_config.placement = placement
