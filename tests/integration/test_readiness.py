@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +103,31 @@ def test_failure_stops_startup_with_its_cause() -> None:
 def test_short_generation_is_a_failure() -> None:
     with pytest.raises(readiness.ReadinessError, match="generated 1 tokens instead of 4"):
         readiness.run_sync(FakeEngine(tokens=1))
+
+
+class FakeAsyncClient:
+    """AsyncLLM as run_async uses it: a generate that finishes, and the two calls after it."""
+
+    def __init__(self) -> None:
+        self.vllm_config = _config()
+        self.calls = []
+
+    async def generate(self, prompt, params, request_id):
+        self.calls.append(("generate", len(prompt["prompt_token_ids"])))
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(readiness.DECODE_STEPS)))])
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache",))
+
+    async def collective_rpc(self, method: str) -> None:
+        self.calls.append(("rpc", method))
+
+
+def test_only_the_first_of_several_api_servers_runs_the_smoke_and_drops_the_counts() -> None:
+    """Several API servers share the engines (data parallelism's default is one per engine); a second drop would
+    be refused by every worker, and a second smoke could be counted after the first server's drop."""
+    first, second = FakeAsyncClient(), FakeAsyncClient()
+    asyncio.run(readiness.run_async(first, client_index=0))
+    asyncio.run(readiness.run_async(second, client_index=1))
+    assert first.calls == [("generate", 129), ("reset_prefix_cache",), ("rpc", readiness.END_OF_STARTUP)]
+    assert second.calls == []

@@ -6,15 +6,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import logging
 import multiprocessing
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
 
 from vllm_expert_offload.integration.startup.stats_saver import saving_stats
 from vllm_expert_offload.integration.startup.worker_rpc import SAVE_STATS
+from vllm_expert_offload.offload.engine_stats import engine_report
 from vllm_expert_offload.offload.options import OffloadOptions
 from vllm_expert_offload.offload.process import at_process_exit
+from vllm_expert_offload.placement import RoutingCounts
 
 
 class FakeClient:
@@ -109,3 +116,73 @@ def test_saved_when_a_forked_worker_process_ends(tmp_path) -> None:
     process.join(timeout=60)
     assert process.exitcode == 0 and done.read_text() == "saved"
     assert not skipped.exists()  # why not atexit
+
+
+class FakeDataParallelClient:
+    """AsyncLLM under --data-parallel-size 2, as the saver uses it: `engine_core.call_utility_all_async` answers
+    per engine with each worker's return; each engine's first worker reports its own counts (worker_rpc)."""
+
+    def __init__(self, engines: list[list[dict | None]]) -> None:
+        self.engines = engines
+        self.calls: list[tuple] = []
+        self.engine_core = self
+
+    async def call_utility_all_async(self, method: str, *args) -> list[list[dict | None]]:
+        self.calls.append((method, *args))
+        return self.engines
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _engine_counts(seed: int) -> RoutingCounts:
+    return RoutingCounts(np.random.default_rng(seed).integers(0, 9, size=(2, 8)), (0, 1), None, 5 + seed,
+                         (10.0 + seed, 20.0 + seed))
+
+
+def _save_once(client, path: Path) -> None:
+    async def main() -> None:
+        options = OffloadOptions(record_stats=path, record_stats_interval_s=0.1)
+        async with saving_stats(client, options, dp_size=2):
+            await asyncio.sleep(0.15)
+
+    asyncio.run(main())
+
+
+def test_data_parallel_engines_are_merged_and_written_once(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    first, second = _engine_counts(0), _engine_counts(1)
+    client = FakeDataParallelClient([[engine_report(0, first), None], [engine_report(1, second), None]])
+    _save_once(client, path)
+    assert client.calls == [("collective_rpc", SAVE_STATS, None, (), None)]  # every engine, every worker asked once
+    saved = RoutingCounts.load(path)
+    np.testing.assert_array_equal(saved.counts, first.counts + second.counts)
+    assert (saved.tokens, saved.interval) == (11, (10.0, 21.0))
+
+
+def test_the_log_names_each_engines_share(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.expert_offload.stats")
+    engines = [[engine_report(0, _engine_counts(0))], [None, engine_report(1, _engine_counts(1))]]
+    _save_once(FakeDataParallelClient(engines), tmp_path / "s.json")
+    assert "the sum of 2 data-parallel engines' tokens, by DP rank: 5 + 6 = 11" in caplog.text
+
+
+def test_a_save_missing_an_engine_writes_nothing(tmp_path, caplog) -> None:
+    path = tmp_path / "s.json"
+    caplog.set_level(logging.WARNING, logger="vllm.expert_offload.stats")
+    _save_once(FakeDataParallelClient([[engine_report(0, _engine_counts(0))], [None]]), path)
+    assert not path.exists()
+    assert "one report from each rank 0..1, got ranks [0]" in caplog.text
+
+
+def test_llm_under_data_parallelism_with_record_stats_is_refused_before_the_engine(tmp_path) -> None:
+    """No API server merges the engines' counts there, and no worker writes alone under DP: refused, not silent."""
+    from vllm_expert_offload.integration.startup.engine_hooks import _wrap_engine_factory
+    from vllm_expert_offload.offload.options import OffloadOptionError
+
+    built = []
+    factory = _wrap_engine_factory(lambda cls, engine_args: built.append(engine_args))
+    offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(tmp_path / "s.json")}}
+    with pytest.raises(OffloadOptionError, match="record_stats: under data parallelism .* Record with vllm serve"):
+        factory(None, SimpleNamespace(additional_config=offload, data_parallel_size=2))
+    assert built == []

@@ -24,11 +24,12 @@ def summary():
     return validate_checkpoint(Exl3Checkpoint.open(build_tiny_model(None, "qwen3_moe")))
 
 
-def _worker(summary, record_stats, tp_rank: int = 0):
+def _worker(summary, record_stats, tp_rank: int = 0, dp_rank: int = 0, dp_size: int = 1,
+            first_in_engine: bool = True):
     geometry = ExpertGeometry(hidden=128, intermediate=256, intermediate_per_rank=128, tp_rank=tp_rank, tp_size=2)
     quant_config = Exl3Config.__new__(Exl3Config)
     placement = ProcessPlacement(OffloadOptions(host_fraction=0.0, record_stats=record_stats), summary, geometry, 2,
-                                 torch.device("cpu"))
+                                 torch.device("cpu"), dp_rank=dp_rank, dp_size=dp_size, first_in_engine=first_in_engine)
     if placement._exit_save is not None:
         placement._exit_save.cancel()  # no save when the test process ends
     quant_config.placement = placement
@@ -47,6 +48,22 @@ def test_save_writes_the_configured_file_and_takes_no_path(tmp_path, summary) ->
     assert worker_rpc.save_expert_stats(_worker(summary, configured, tp_rank=1)) is None
     with pytest.raises(ValueError, match="serve with expert_offload.record_stats"):
         worker_rpc.save_expert_stats(_worker(summary, None))
+
+
+def test_under_data_parallelism_each_engine_reports_its_counts_and_no_worker_writes(tmp_path, summary) -> None:
+    configured = tmp_path / "stats.json"
+    # DP rank 1's first worker: MoE TP rank 1 of the flattened TP x DP group, its engine's TP rank 0.
+    worker = _worker(summary, configured, tp_rank=1, dp_rank=1, dp_size=2)
+    placement = worker.vllm_config.quant_config.placement
+    assert placement._exit_save is None  # nothing written at exit either: only the API server writes under DP
+    placement.counts[1, 5] += 4
+    report = worker_rpc.save_expert_stats(worker)
+    assert report["dp_rank"] == 1 and report["counts"]["counts"]["1"] == [0, 0, 0, 0, 0, 4, 0, 0]
+    assert not configured.exists()
+    assert worker_rpc.save_expert_stats(_worker(summary, configured, dp_rank=1, dp_size=2,
+                                                first_in_engine=False)) is None
+    assert worker_rpc.save_expert_stats(_worker(summary, configured, dp_size=2)) != str(configured)  # rank 0 reports
+    assert not configured.exists()
 
 
 def test_startup_counts_are_dropped_once_then_the_method_is_refused(tmp_path, summary) -> None:

@@ -139,9 +139,10 @@ def test_process_placement_counts_global_ids_and_places_only_local(tmp_path) -> 
         ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), rank=RankExperts.linear(6, 0, 2))
 
 
-def test_data_parallel_engines_label_their_rank_and_only_the_first_writes_statistics() -> None:
+def test_data_parallel_engines_label_their_rank_and_each_reports_its_own_statistics() -> None:
     """Under DP without EP vLLM splits each expert over the TP x DP ranks (DP rank 1 of 2 at TP 1 is MoE TP rank 1 of
-    2) and gathers every engine's tokens before routing, so DP rank 0's first rank writes for all engines."""
+    2). Each engine counts its own tokens, so no worker writes: each engine's first worker reports its counts and
+    the API server writes their sum (offload/engine_stats.py)."""
     from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
     from vllm_expert_offload.exl3.validate import validate_checkpoint
     from vllm_expert_offload.offload.process import ProcessPlacement
@@ -156,7 +157,8 @@ def test_data_parallel_engines_label_their_rank_and_only_the_first_writes_statis
         engines.append(ProcessPlacement(options, summary, geometry, 2, torch.device("cpu"), dp_rank=dp_rank,
                                         dp_size=2))
     assert [p.rank_label() for p in engines] == ["dp rank 0 of 2, tp rank 0 of 2", "dp rank 1 of 2, tp rank 1 of 2"]
-    assert [p.writes_stats for p in engines] == [True, False]
+    assert [p.writes_stats for p in engines] == [False, False]
+    assert [p.reports_engine_counts for p in engines] == [True, True]  # each its engine's TP rank 0
     assert [int(p.host_tier.sum()) for p in engines] == [8, 8]  # each engine: half of every layer's experts, sliced
     for p in engines:
         p.release("test done")

@@ -62,11 +62,13 @@ class ProcessPlacement:
         dp_rank: int = 0,
         dp_size: int = 1,
         cache: CacheSettings | None = None,
+        first_in_engine: bool = True,
     ) -> None:
         """`gpu_bytes`: the memory of this worker's GPU (None off CUDA), the bound a budget or plan must fit.
         `rank`: the experts this rank holds (expert parallelism; default every expert, each a TP slice).
         `dp_rank`, `dp_size`: this engine's data-parallel rank and their number (each engine has its own arena and
-        plan; vLLM gathers every engine's tokens into each MoE layer, so one rank's counts hold them all).
+        plan, and counts its own tokens: engine_stats.py). `first_in_engine`: this worker is its engine's first
+        (tensor-parallel rank 0 of the engine), the one that reports the engine's counts under data parallelism.
         `cache`: the GPU tier is an expert cache (the backend writes through): every expert gets a host record
         (an evicted expert is read from there), and each layer's GPU tier is as many slots as the plan gives it
         GPU experts, each the size of the layer's largest record (kernels/expert_slots.py)."""
@@ -81,6 +83,7 @@ class ProcessPlacement:
             raise ExpertOffloadError(f"vLLM's expert map covers {self.rank.num_experts} routed experts, the checkpoint "
                                      f"has {self.record_bytes.shape[1]} per MoE layer")
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.first_in_engine = first_in_engine
         self.identity = model_identity(summary, geometry.tp_size, self.record_bytes, self.rank.ep_size)
         self.gpu_tier, source = make_plan(options, self.record_bytes, self.identity, gpu_bytes, self.rank)
         self.host_tier = ~self.gpu_tier & self.rank.mask  # this rank's experts only; others belong to other ranks
@@ -115,9 +118,15 @@ class ProcessPlacement:
 
     @property
     def writes_stats(self) -> bool:
-        """Every rank sees the same routing: TP and EP ranks compute the same router, and under data parallelism
-        vLLM gathers the tokens of every engine before routing (naive dispatch), so the first rank writes for all."""
-        return self.geometry.tp_rank == 0 and self.rank.ep_rank == 0 and self.dp_rank == 0
+        """Every rank of one engine sees the same routing (TP and EP ranks compute the same router), so its first
+        rank writes for all. Under data parallelism no worker writes: each engine's first worker reports its own
+        counts and the API server writes their sum (`reports_engine_counts`, engine_stats.py)."""
+        return self.dp_size == 1 and self.geometry.tp_rank == 0 and self.rank.ep_rank == 0
+
+    @property
+    def reports_engine_counts(self) -> bool:
+        """This worker hands its engine's counts to the API server (data parallelism, the engine's first worker)."""
+        return self.dp_size > 1 and self.first_in_engine
 
     def release(self, why: str) -> None:
         """Give the host arena back now and write no statistics at exit: the load this placement was made for

@@ -109,7 +109,8 @@ class RoutingCounts:
         interval = None if None in intervals else (min(i[0] for i in intervals), max(i[1] for i in intervals))
         return cls(sum(p.counts for p in parts), first.moe_layers, models[0] if models else None, tokens, interval)
 
-    def save(self, path: str | Path) -> None:
+    def to_json(self) -> dict:
+        """The saved document as plain JSON types (what `save` writes; also how a worker hands its counts over)."""
         doc = {
             "format": COUNTS_FORMAT,
             "version": COUNTS_VERSION,
@@ -122,13 +123,20 @@ class RoutingCounts:
             doc["tokens"] = self.tokens
         if self.interval is not None:
             doc["interval"] = {"start": self.interval[0], "end": self.interval[1]}
-        write_atomically(path, json.dumps(doc, indent=1) + "\n")
+        return doc
+
+    def save(self, path: str | Path) -> None:
+        write_atomically(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, expected: ModelIdentity | None = None) -> RoutingCounts:
         """Counts saved by `save`; with `expected`, refused unless made for the same model geometry (ROUTING_FIELDS)."""
         where = f"routing counts file {path}"
-        doc = read_versioned_json(path, where, COUNTS_FORMAT, COUNTS_VERSION)
+        return cls.from_json(read_versioned_json(path, where, COUNTS_FORMAT, COUNTS_VERSION), where, expected)
+
+    @classmethod
+    def from_json(cls, doc: dict, where: str, expected: ModelIdentity | None = None) -> RoutingCounts:
+        """Counts from `to_json`'s document (format and version already checked); `where` names it in errors."""
         model = None if doc.get("model") is None else ModelIdentity.from_json(doc["model"], where)
         if expected is not None:
             if model is None:

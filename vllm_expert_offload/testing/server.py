@@ -48,9 +48,11 @@ def vllm_server(
     log_path: Path | None = None,
     extra_env: dict[str, str] | None = None,
     enforce_eager: bool = False,
+    data_parallel_size: int = 1,
 ) -> Iterator[RunningServer]:
     """Start `vllm serve` as users do (vLLM's default compiled mode unless `enforce_eager`), wait for /health,
-    yield its URL and PID; the server is stopped on exit.
+    yield its URL and PID; the server is stopped on exit. `data_parallel_size` engines of `tensor_parallel_size`
+    ranks each get one OpenMP core per rank, as TP ranks do (engine_env).
 
     The log goes to a file so a failed start can be reported with its cause."""
     port = free_port()
@@ -59,9 +61,10 @@ def vllm_server(
     cmd = [
         str(vllm_bin), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--tensor-parallel-size", str(tensor_parallel_size),
+        *(["--data-parallel-size", str(data_parallel_size)] if data_parallel_size > 1 else []),
         *(["--enforce-eager"] if enforce_eager else []), *extra_args,
     ]
-    env = {**os.environ, **engine_env(tensor_parallel_size), **(extra_env or {})}
+    env = {**os.environ, **engine_env(tensor_parallel_size * data_parallel_size), **(extra_env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

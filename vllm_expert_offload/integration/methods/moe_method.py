@@ -12,6 +12,7 @@ import re
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from ...exl3.errors import Exl3FormatError
@@ -22,11 +23,12 @@ from ...kernels.expert_slots import ExpertSlots, expert_trellis_bytes
 from ...kernels.oracle import BackendUnavailable, KernelChoice, backend, build_moe_kernel
 from ...kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from ...offload.cache_policy import CacheSettings
-from ...offload.phase import profiling
+from ...offload.phase import dummy_batch, profiling
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
 from ...offload.tiers import place_expert
 from ..startup.crash_line import install_crash_line
+from ..startup.data_parallel import install_dummy_batch_flag, own_rows
 from ..startup.profiling import install_profile_flag, spread_routing
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
 from .op_targets import register_op_target
@@ -63,8 +65,9 @@ def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts
     if quant_config.placement is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         cache = _cache_settings(quant_config.options, kernels, parallel.use_ep)
+        first_in_engine = parallel.dp_size == 1 or get_tensor_model_parallel_rank() == 0  # reports under DP
         placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
-                                     rank, parallel.dp_rank, parallel.dp_size, cache)
+                                     rank, parallel.dp_rank, parallel.dp_size, cache, first_in_engine)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
         quant_config.placement = placement
@@ -155,6 +158,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self._layer = layer
         register_collectors(layer, COLLECTORS, self._load)
         install_profile_flag()
+        if self.placement.recording and parallel.dp_size > 1:
+            install_dummy_batch_flag()
         self.op_name = register_op_target(layer.layer_name, self)
 
     def _checkpoint_name(self, global_expert: int, projection: str) -> str:
@@ -242,14 +247,16 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return ops.exl3_moe(self, self.op_name, self.geometry.hidden, x, topk_weights, topk_ids)
 
     def moe_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording, global
-        ids mapped to this rank's (EP), reads counted by tier (before the cache's step moves experts), then the
-        backend; in the rank-check debug mode, the caches of all TP ranks compared after it."""
+        """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording (under data
+        parallelism this engine's own tokens only), global ids mapped to this rank's (EP), reads counted by tier
+        (before the cache's step moves experts), then the backend; in the rank-check debug mode, the caches of all
+        TP ranks compared after it."""
         if profiling():  # this rank's worst case: every slot on one of its own experts, each of them used (EP too)
             local = spread_routing(topk_ids, self.num_local_experts).long()
             return self.kernel.forward(x, topk_weights, local, self.apply_router_weight_on_input)
-        if self.placement.recording:
-            self.placement.record(self.layer_index, topk_ids)
+        if self.placement.recording and not dummy_batch():  # a DP engine's dummy batch carries no one's tokens
+            dp_rank, dp_size = self.placement.dp_rank, self.placement.dp_size
+            self.placement.record(self.layer_index, topk_ids if dp_size == 1 else own_rows(topk_ids, dp_rank, dp_size))
         if self.expert_map is not None:
             local = self.expert_map[topk_ids.long()]  # -1: another rank's expert, read (and counted) there
             topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))

@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from ...offload.options import OffloadOptions, parse_offload_options
+from ...offload.options import OffloadOptionError, OffloadOptions, parse_offload_options
 from ..patching import Hook, require_checked_version
 from .metrics import exporting_metrics
 from .readiness import run_async, run_sync
@@ -30,7 +30,12 @@ def _wrap_engine_factory(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def from_engine_args(cls, engine_args, *args, **kwargs):
-        checked_options(engine_args)
+        options = checked_options(engine_args)
+        if options.record_stats is not None and engine_args.data_parallel_size > 1:
+            raise OffloadOptionError(
+                "--additional-config expert_offload.record_stats: under data parallelism the API server of vllm "
+                f"serve merges every engine's counts and writes them; LLM(...) with data_parallel_size="
+                f"{engine_args.data_parallel_size} has none, and no worker writes alone. Record with vllm serve")
         engine = original(cls, engine_args, *args, **kwargs)
         run_sync(engine)
         return engine
@@ -47,8 +52,8 @@ def _wrap_async_builder(original: Callable) -> Callable:
         options = checked_options(engine_args)
         client_index = (kwargs.get("client_config") or {}).get("client_index", 0)
         async with original(engine_args, *args, **kwargs) as client:
-            await run_async(client)
-            async with saving_stats(client, options, client_index), \
+            await run_async(client, client_index)
+            async with saving_stats(client, options, client_index, engine_args.data_parallel_size), \
                     exporting_metrics(client, options.offloads, client_index):
                 yield client
 

@@ -93,9 +93,12 @@ def run_sync(engine) -> None:
     engine.collective_rpc(END_OF_STARTUP)
 
 
-async def run_async(client) -> None:
-    """AsyncLLM (vllm serve): the same request through the async client, before the server listens."""
-    if not _serves_exl3(client.vllm_config):
+async def run_async(client, client_index: int = 0) -> None:
+    """AsyncLLM (vllm serve): the same request through the async client, before the server listens. Where vLLM
+    runs several API servers (`--api-server-count`, by default one per engine under data parallelism) all share
+    the engines, so only the first (client index 0) runs the smoke and drops the startup counts: a second drop is
+    refused by every worker, and another server's smoke could land after the drop and be counted as traffic."""
+    if not _serves_exl3(client.vllm_config) or client_index != 0:
         return
     request = smoke_request(client.vllm_config)
     if request is not None:

@@ -20,6 +20,13 @@ drains them are not in that last file.
 Workers write the file atomically, so readers never see half of it. Only the first API server (client index 0)
 saves when vLLM runs several. A save that fails (the engine is gone, the disk is full) is logged and never takes
 the server down.
+
+Under data parallelism each engine counts only its own tokens and its first worker returns them instead of writing
+(offload/engine_stats.py); the saver asks every engine through the engine client's `call_utility_all_async` (the
+per-engine form of the same utility call; `collective_rpc` answers with the first engine's result only), merges
+the reports and writes the file itself, once. That needs one API server that manages every engine (vLLM's default
+internal load balancing); with external or hybrid load balancing an API server sees only some engines, and the
+save is refused with the ranks it got.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 
 from vllm.engine.protocol import EngineClient
 
+from ...offload.engine_stats import merge_engine_reports
 from ...offload.options import OffloadOptions
 from .worker_rpc import SAVE_STATS
 
@@ -44,19 +52,32 @@ FINAL_SAVE_TIMEOUT_S = 30.0  # a save waits for the engine step in progress; thi
 
 
 class StatsSaver:
-    """Saves through `client.collective_rpc`; `tasks` holds the saves started by signals until they finish."""
+    """Saves through `client.collective_rpc`, or under data parallelism (`options.record_stats` written here) by
+    merging every engine's report; `tasks` holds the saves started by signals until they finish."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, options: OffloadOptions, dp_size: int = 1) -> None:
         self.client = client
+        self.options = options
+        self.dp_size = dp_size
         self.tasks: set[asyncio.Task] = set()
 
     async def save(self, reason: str) -> None:
         try:
-            written = await self.client.collective_rpc(SAVE_STATS)
+            written = await (self._merge_engines() if self.dp_size > 1 else self.client.collective_rpc(SAVE_STATS))
         except Exception as exc:  # noqa: BLE001 - a statistics save must never stop serving
             logger.warning("routing statistics not saved (%s): %s: %s", reason, type(exc).__name__, exc)
             return
         logger.info("routing statistics saved to %s (%s)", [w for w in written if w is not None], reason)
+
+    async def _merge_engines(self) -> list[str]:
+        """Every engine's report (one per engine, from its first worker), summed and written once."""
+        per_engine = await self.client.engine_core.call_utility_all_async("collective_rpc", SAVE_STATS, None, (), None)
+        reports = [report for workers in per_engine for report in workers if report is not None]
+        merged = merge_engine_reports(reports, self.dp_size)
+        await asyncio.to_thread(merged.save, self.options.record_stats)
+        shares = " + ".join(str(r["counts"].get("tokens")) for r in sorted(reports, key=lambda r: r["dp_rank"]))
+        return [f"{self.options.record_stats} (the sum of {self.dp_size} data-parallel engines' tokens, by DP rank: "
+                f"{shares} = {merged.tokens})"]
 
     async def every(self, interval_s: float) -> None:
         while True:
@@ -97,14 +118,15 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, saver: StatsSaver) -> b
 
 
 @contextlib.asynccontextmanager
-async def saving_stats(client: EngineClient, options: OffloadOptions, client_index: int = 0) -> AsyncIterator[None]:
+async def saving_stats(client: EngineClient, options: OffloadOptions, client_index: int = 0,
+                       dp_size: int = 1) -> AsyncIterator[None]:
     """While the body runs (the server serves), save routing statistics periodically and on SIGUSR1, and once
-    more when the engine client is shut down."""
+    more when the engine client is shut down; `dp_size` engines' counts are merged here (module docstring)."""
     if options.record_stats is None or client_index != 0:
         yield
         return
     loop = asyncio.get_running_loop()
-    saver = StatsSaver(client)
+    saver = StatsSaver(client, options, dp_size)
     periodic = loop.create_task(saver.every(options.record_stats_interval_s))
     handled = _add_signal_handler(loop, saver)
     client.shutdown = saver.saving_first(client.shutdown, loop)  # on this client object only, while it serves

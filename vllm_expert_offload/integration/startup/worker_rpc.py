@@ -15,6 +15,7 @@ the plugin before the engine is handed out (`END_OF_STARTUP`).
 
 from __future__ import annotations
 
+from ...offload.engine_stats import engine_report
 from ..patching import HookError
 
 END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
@@ -40,16 +41,20 @@ def end_of_startup(worker) -> bool:
     return placement is not None
 
 
-def save_expert_stats(worker) -> str | None:
-    """Write this process's routing counts to the configured record_stats file; every rank sees the same routing
-    (TP, EP, and DP engines, whose tokens vLLM gathers before routing), so only the first rank writes
-    (`ProcessPlacement.writes_stats`). Returns the path written (None on other ranks and without EXL3 experts)."""
+def save_expert_stats(worker) -> str | dict | None:
+    """Write this process's routing counts to the configured record_stats file; every rank of an engine sees the
+    same routing (TP and EP ranks compute the same router), so only its first rank writes
+    (`ProcessPlacement.writes_stats`). Returns the path written (None on other ranks and without EXL3 experts).
+    Under data parallelism nothing is written here: each engine's first worker returns its engine's own counts
+    (offload/engine_stats.py `engine_report`) for the API server to merge and write once (stats_saver.py)."""
     placement = _placement(worker)
-    if placement is None or not placement.writes_stats:
+    if placement is None or not (placement.writes_stats or placement.reports_engine_counts):
         return None
     target = placement.options.record_stats
     if target is None:
         raise ValueError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
+    if placement.reports_engine_counts:
+        return engine_report(placement.dp_rank, placement.routing_counts())
     placement.save_stats(target)
     return str(target)
 
