@@ -73,6 +73,38 @@ def test_poll_asks_the_workers_and_survives_a_failed_call() -> None:
     assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2], [0, 16, 1590, 8, 0]]
 
 
+def test_poll_under_data_parallelism_sums_every_engines_workers() -> None:
+    """`collective_rpc` answers with the first engine's workers only: under DP 2 the poll asks each engine (the
+    engine core client's per-engine utility call) and sums both engines' ranks."""
+    class Client:
+        calls: list[tuple] = []
+
+        async def collective_rpc(self, method):
+            raise AssertionError("under DP, collective_rpc would answer for the first engine only")
+
+        @property
+        def engine_core(self):
+            return self
+
+        async def call_utility_all_async(self, method, *args):
+            Client.calls.append((method, *args))
+            return [[RANK0, None], [RANK1, None]]  # per engine: each worker's answer
+
+    async def run() -> TierMetrics:
+        metrics = TierMetrics()
+        task = asyncio.get_running_loop().create_task(metrics.poll(Client(), 0.01, dp_size=2))
+        for _ in range(100):  # a poll that asked collective_rpc logs its failure and never calls per engine
+            if Client.calls:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return metrics
+
+    metrics = asyncio.run(run())
+    assert Client.calls and Client.calls[0] == ("collective_rpc", TIER_COUNTERS, None, (), None)
+    assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2], [0, 16, 1590, 8, 0]]
+
+
 def test_rank_check_passes_equal_states_and_names_the_layer_of_a_divergence() -> None:
     digest = torch.tensor([11, 22])
     check_ranks_agree("model.layers.1.mlp.experts", digest, lambda d: torch.stack([d, d.clone()]))

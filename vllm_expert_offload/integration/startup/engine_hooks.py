@@ -54,7 +54,8 @@ def _wrap_async_builder(original: Callable) -> Callable:
         async with original(engine_args, *args, **kwargs) as client:
             await run_async(client, client_index)
             async with saving_stats(client, options, client_index, engine_args.data_parallel_size), \
-                    exporting_metrics(client, options.offloads, client_index):
+                    exporting_metrics(client, options.offloads, client_index,
+                                      engine_args.data_parallel_size):
                 yield client
 
     return build_async_engine_client_from_engine_args

@@ -5,9 +5,9 @@ answers `/metrics`. vLLM's own worker-side numbers reach the API server through 
 a plugin cannot extend; prometheus_client's multiprocess mode needs PROMETHEUS_MULTIPROC_DIR set before
 prometheus_client is imported in every process, which vLLM does only with several API servers and never for its
 workers. So the API server asks: every POLL_INTERVAL_S it calls the workers through the engine client's
-`collective_rpc` (the path the statistics saver uses, stats_saver.py), which the engine core runs between two
-steps, so a device counter is read at most once per step boundary and never stalls a forward; the ranks' answers
-are summed and kept, and a prometheus_client custom collector on the default registry (the one vLLM's /metrics
+`collective_rpc` (the path the statistics saver uses, stats_saver.py; under data parallelism its per-engine form,
+so every engine's workers answer), which the engine core runs between two steps, so a device counter is read at
+most once per step boundary and never stalls a forward; the ranks' answers are summed and kept, and a prometheus_client custom collector on the default registry (the one vLLM's /metrics
 serves with a single API server) reports the latest. With --api-server-count above 1 vLLM serves a
 multiprocess registry instead and these metrics are not exported (docs/placement.md).
 """
@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ...offload.counters import EVICTIONS, FILLS, GPU_READS, HOST_READ_BYTES, HOST_READS
-from .worker_rpc import TIER_COUNTERS
+from .worker_rpc import TIER_COUNTERS, ask_every_worker
 
 logger = logging.getLogger("vllm.expert_offload.metrics")
 POLL_INTERVAL_S = 2.0
@@ -85,25 +85,26 @@ class TierMetrics:
         if self.latest is not None:
             yield from families(self.latest)
 
-    async def poll(self, client, interval_s: float) -> None:
+    async def poll(self, client, interval_s: float, dp_size: int = 1) -> None:
         while True:
             try:
-                self.latest = summed(await client.collective_rpc(TIER_COUNTERS))
+                self.latest = summed(await ask_every_worker(client, TIER_COUNTERS, dp_size))
             except Exception as exc:  # noqa: BLE001 - metrics must never stop serving
                 logger.warning("expert offload metrics not updated: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(interval_s)
 
 
 @contextlib.asynccontextmanager
-async def exporting_metrics(client, offloads: bool, client_index: int = 0,
+async def exporting_metrics(client, offloads: bool, client_index: int = 0, dp_size: int = 1,
                             interval_s: float = POLL_INTERVAL_S) -> AsyncIterator[TierMetrics | None]:
-    """While the body runs (the server serves), keep the collector on the default registry up to date."""
+    """While the body runs (the server serves), keep the collector on the default registry up to date with the
+    counters of every worker of the `dp_size` engines."""
     if not offloads or client_index != 0:
         yield None
         return
     metrics = TierMetrics()
     REGISTRY.register(metrics)
-    task = asyncio.get_running_loop().create_task(metrics.poll(client, interval_s))
+    task = asyncio.get_running_loop().create_task(metrics.poll(client, interval_s, dp_size))
     try:
         yield metrics
     finally:

@@ -44,7 +44,7 @@ from vllm.engine.protocol import EngineClient
 
 from ...offload.engine_stats import merge_engine_reports
 from ...offload.options import OffloadOptions
-from .worker_rpc import SAVE_STATS
+from .worker_rpc import SAVE_STATS, ask_every_worker
 
 logger = logging.getLogger("vllm.expert_offload.stats")
 SAVE_SIGNAL = signal.SIGUSR1
@@ -71,8 +71,8 @@ class StatsSaver:
 
     async def _merge_engines(self) -> list[str]:
         """Every engine's report (one per engine, from its first worker), summed and written once."""
-        per_engine = await self.client.engine_core.call_utility_all_async("collective_rpc", SAVE_STATS, None, (), None)
-        reports = [report for workers in per_engine for report in workers if report is not None]
+        reports = [report for report in await ask_every_worker(self.client, SAVE_STATS, self.dp_size)
+                   if report is not None]
         merged = merge_engine_reports(reports, self.dp_size)
         await asyncio.to_thread(merged.save, self.options.record_stats)
         shares = " + ".join(str(r["counts"].get("tokens")) for r in sorted(reports, key=lambda r: r["dp_rank"]))

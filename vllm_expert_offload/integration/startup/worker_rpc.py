@@ -24,6 +24,16 @@ MEMORY_REPORT = "vllm_expert_offload_memory_report"
 TIER_COUNTERS = "vllm_expert_offload_tier_counters"
 
 
+async def ask_every_worker(client, method: str, dp_size: int = 1) -> list:
+    """Every worker's answer to the worker method `method`, from every engine. The engine client's `collective_rpc`
+    answers with the first engine's workers only; under data parallelism the engine core client's per-engine
+    form of the same utility call (`call_utility_all_async`) asks each engine, between two of its steps."""
+    if dp_size == 1:
+        return await client.collective_rpc(method)
+    per_engine = await client.engine_core.call_utility_all_async("collective_rpc", method, None, (), None)
+    return [answer for workers in per_engine for answer in workers]
+
+
 def _placement(worker):
     """The process's ProcessPlacement (shared by all EXL3 MoE layers): the declared field of the model's EXL3
     quant config (vLLM builds every layer from `vllm_config.quant_config`); None for a model without them."""
