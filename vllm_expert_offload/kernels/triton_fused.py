@@ -38,9 +38,7 @@ def hadamard_signs(N: tl.constexpr):
     parity = i & j
     parity ^= parity >> 4
     parity ^= parity >> 2
-    parity ^= parity >> 1
-    if N > 64:
-        parity ^= parity >> 8
+    parity ^= parity >> 1  # bit 0: the parity of i & j's 8 low bits (N <= 256)
     return tl.where((parity & 1) == 1, -1.0, 1.0).to(tl.bfloat16)
 
 

@@ -1,8 +1,8 @@
 """One MoE layer's routed experts in three Triton launches: gate+up, down, and the per-token sum.
 
 Rows are slots: slot s = t·top_k + j is token t's j-th pick, expert topk_ids[t, j]. A program takes up to
-BLOCK_M slots of one expert and one 128-wide piece of the output (two for down, sharing their input; and one part
-of the input dimension when it is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
+BLOCK_M slots of one expert and one 128-wide piece of the output (two at decode, sharing their input; and one
+part of the input dimension when it is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
 that chose the expert:
 - up to `DEDUP_MAX_TOKENS` tokens: the grid has one program per slot; a program leads when its slot's rank
   among the slots of its expert is a multiple of BLOCK_M (16 up to `DECODE_MAX_TOKENS` tokens, else 64), and
@@ -15,10 +15,11 @@ that chose the expert:
 1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
    input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
    multiplied; after the K loop the two fp32 accumulators rotated back, ⊙ svh, and stored as this part's share.
-2. `moe_down_kernel` (two output pieces per program): per 128-wide piece of the intermediate: gate and up summed over parts in order, clamped
-   (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels (`keep_channels`, compiled only where this
-   rank drops some), ⊙ suh of down and rotated in; down decoded and multiplied; the output piece rotated back, ⊙ svh, times the
-   router weight (unless applied on the input), stored per slot and part.
+2. `moe_down_kernel` (at decode two output pieces per program): per 128-wide piece of the intermediate: gate and
+   up summed over parts in order, clamped (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels
+   (`keep_channels`, compiled only where this rank drops some), ⊙ suh of down and rotated in; down decoded and
+   multiplied; the output piece rotated back, ⊙ svh, times the router weight (unless applied on the input), stored
+   per slot and part.
 3. `moe_sum_kernel`: each token's slots (and parts) summed in a fixed order (deterministic), cast to the
    model's dtype.
 Up to `DECODE_MAX_TOKENS` tokens the kernels split the input dimension of gate/up and of down so that the grid
@@ -265,8 +266,8 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis, gate_twice_k,
-                    gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
+def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
+                    gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
                     twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
     parts, _, num_slots, size_n = partial.shape
     size_k = suh_gate.shape[1]
@@ -318,7 +319,8 @@ _ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix"
 _FLAGS = "int block_m, bool dedup, bool route_on_input, bool dot_fp16"
 _gate_up = register_launch(
     "moe_gate_up_triton",
-    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, Tensor gate_twice_k, "
+    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, "
+    "Tensor gate_twice_k, "
     "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
     f"Tensor? up_fill, Tensor(a!) partial, int twice_k_gate, int twice_k_up, int codebook_gate, int codebook_up, "
     f"{_FLAGS}",
@@ -462,9 +464,9 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                  "CODEBOOK_UP": codebook, "PAIR": mode == "decode"}, MATMUL_WARPS, 3,
                 2 * (1 + (mode == "decode")) * PIECE * PIECE, dtype=dtype,
                 trellis_arg="gate_trellis"))
-            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32", "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16",
-                    "swiglu_limit": "fp32", **{f"down_{k}": v for k, v in table.items()},
-                    "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
+            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
+                    "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16", "swiglu_limit": "fp32",
+                    **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
                 {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False,

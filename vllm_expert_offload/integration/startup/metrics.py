@@ -7,9 +7,10 @@ prometheus_client is imported in every process, which vLLM does only with severa
 workers. So the API server asks: every POLL_INTERVAL_S it calls the workers through the engine client's
 `collective_rpc` (the path the statistics saver uses, stats_saver.py; under data parallelism its per-engine form,
 so every engine's workers answer), which the engine core runs between two steps, so a device counter is read at
-most once per step boundary and never stalls a forward; the ranks' answers are summed and kept, and a prometheus_client custom collector on the default registry (the one vLLM's /metrics
-serves with a single API server) reports the latest. With --api-server-count above 1 vLLM serves a
-multiprocess registry instead and these metrics are not exported (docs/placement.md).
+most once per step boundary and never stalls a forward; the ranks' answers are summed and kept, and a
+prometheus_client custom collector on the default registry (the one vLLM's /metrics serves with a single API
+server) reports the latest. With --api-server-count above 1 vLLM serves a multiprocess registry instead and these
+metrics are not exported (docs/placement.md).
 """
 
 from __future__ import annotations
