@@ -72,10 +72,11 @@ def _signed_sum(term, signs, acc):
 
 
 @triton.jit
-def _signed_product(x, signs, DOT_FP16: tl.constexpr):
-    """x @ signs / √128 for x (M, N) fp32: x split exactly into bf16 terms (`rotation_terms`), each times the ±1
-    signs on tensor cores with fp32 accumulation. (An fp32 `tl.dot` of the same product runs on FMA units and
-    holds whole operand rows per thread: it made every fused kernel spill.)"""
+def rotate(x, signs, DOT_FP16: tl.constexpr):
+    """x @ signs / √128 for x (M, N) fp32 (had(x) for N = 128 and `signs` = hadamard_signs(128), as the kernels'
+    epilogues use it): x split exactly into bf16 terms (`rotation_terms`), each times the ±1 signs on tensor cores
+    with fp32 accumulation. (An fp32 `tl.dot` of the same product runs on FMA units and holds whole operand rows
+    per thread: it made every fused kernel spill.)"""
     x = _pinned(x)
     term = x.to(tl.bfloat16)
     y = _signed_sum(term, signs, None)
@@ -87,17 +88,11 @@ def _signed_product(x, signs, DOT_FP16: tl.constexpr):
 
 
 @triton.jit
-def rotate(x, signs, DOT_FP16: tl.constexpr):
-    """had(x) for x (M, 128) fp32, `signs` = hadamard_signs(128): one product (kernels' epilogues)."""
-    return _signed_product(x, signs, DOT_FP16)
-
-
-@triton.jit
 def rotate_halves(lo, hi, signs, DOT_FP16: tl.constexpr):
     """had of 128-wide rows held as two (M, 64) halves, as two halves, `signs` = hadamard_signs(64):
     H128 = [[S, S], [S, -S]] / √128, so [lo | hi] @ H128 = [(lo + hi) @ S, (lo - hi) @ S] / √128 (one butterfly,
     then two 64-point products: half the work of two (M, 128) x (128, 64) products)."""
-    return _signed_product(lo + hi, signs, DOT_FP16), _signed_product(lo - hi, signs, DOT_FP16)
+    return rotate(lo + hi, signs, DOT_FP16), rotate(lo - hi, signs, DOT_FP16)
 
 
 @triton.jit

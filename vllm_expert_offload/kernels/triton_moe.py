@@ -110,6 +110,20 @@ def _piece_product(acc, x_lo, x_hi, trellis, twice_k, codebook, fill, k0, n0, si
 
 
 @triton.jit
+def _output_pieces(size_n, PAIR: tl.constexpr):
+    """(first output column, whether a second 128-wide piece follows) of this program: with PAIR a program takes
+    pieces 2i and 2i + 1 (the second where the output has it), else piece i (`_pieces_grid` sizes the grid)."""
+    n0 = tl.program_id(1) * (256 if PAIR else 128)
+    return n0, PAIR and (n0 + 128 < size_n)
+
+
+def _pieces_grid(size_n: int, block_m: int) -> tuple[bool, int]:
+    """(PAIR, programs along the output) for a launch: decode blocks (16 rows) take two output pieces a program."""
+    pair = block_m == DECODE_BLOCK_M
+    return pair, triton.cdiv(size_n, (1 + pair) * PIECE)
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
     row_ids_ptr, block_matrix_ptr, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr,
@@ -127,8 +141,7 @@ def moe_gate_up_kernel(
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0 = tl.program_id(1) * (256 if PAIR else 128)
-        second = PAIR and (n0 + 128 < size_n)
+        n0, second = _output_pieces(size_n, PAIR)
         part = tl.program_id(2)
         tokens = rows // TOP_K
         signs = hadamard_signs(HALF)
@@ -206,8 +219,7 @@ def moe_down_kernel(
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0 = tl.program_id(1) * (256 if PAIR else 128)
-        second = PAIR and (n0 + 128 < size_n)
+        n0, second = _output_pieces(size_n, PAIR)
         part = tl.program_id(2)
         signs = hadamard_signs(HALF)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
@@ -273,8 +285,8 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = gate_fill is not None
-    pair = block_m == DECODE_BLOCK_M
-    moe_gate_up_kernel[(blocks, triton.cdiv(size_n, (1 + pair) * PIECE), parts)](
+    pair, pieces = _pieces_grid(size_n, block_m)
+    moe_gate_up_kernel[(blocks, pieces, parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
@@ -295,8 +307,8 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = down_fill is not None
     crop = keep is not None
-    pair = block_m == DECODE_BLOCK_M
-    moe_down_kernel[(blocks, triton.cdiv(size_n, (1 + pair) * PIECE), parts)](
+    pair, pieces = _pieces_grid(size_n, block_m)
+    moe_down_kernel[(blocks, pieces, parts)](
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, keep if crop else partial, suh_down, svh_down,
         0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
