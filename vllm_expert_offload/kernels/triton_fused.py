@@ -88,14 +88,6 @@ def rotate(x, signs, DOT_FP16: tl.constexpr):
 
 
 @triton.jit
-def rotate_halves(lo, hi, signs, DOT_FP16: tl.constexpr):
-    """had of 128-wide rows held as two (M, 64) halves, as two halves, `signs` = hadamard_signs(64):
-    H128 = [[S, S], [S, -S]] / √128, so [lo | hi] @ H128 = [(lo + hi) @ S, (lo - hi) @ S] / √128 (one butterfly,
-    then two 64-point products: half the work of two (M, 128) x (128, 64) products)."""
-    return rotate(lo + hi, signs, DOT_FP16), rotate(lo - hi, signs, DOT_FP16)
-
-
-@triton.jit
 def _product(acc, a, w, DOT_FP16: tl.constexpr):
     """acc + a @ w: fp16 tensor cores for half-precision models (a rounded to fp16, as exllamav3 rounds the
     rotated input), exact fp32 otherwise."""
@@ -107,13 +99,26 @@ def _product(acc, a, w, DOT_FP16: tl.constexpr):
 
 
 @triton.jit
-def piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16: tl.constexpr):
-    """acc + [x_lo | x_hi] @ W_hat[k0:+128, n0:+128] for one rotated 128-wide input piece held as two (M, 64) fp32
-    halves (`rotate_halves`): each half meets one 64 x 128 row half of the W_hat piece, decoded one at a time (a
-    64 x 128 block is 256 tile groups: one per thread, the decode's design)."""
-    acc = _product(acc, x_lo, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
-    return _product(acc, x_hi, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF),
-                    DOT_FP16)
+def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
+                   DOT_FP16: tl.constexpr):
+    """(acc + had([s_lo | s_hi]) @ W_hat[k0:+128, n0:+128], acc_second + the same with the piece at n0 + 128 where
+    `second`) for one 128-wide input piece held as two (M, 64) fp32 halves, `signs` = hadamard_signs(64).
+
+    H128 = [[S, S], [S, -S]] / √128, so had([lo | hi]) = [(lo + hi) @ S, (lo - hi) @ S] / √128: one butterfly and
+    two 64-point products. Each rotated half meets the 64 x 128 half of W_hat's piece (or pieces) it multiplies
+    before the other half is rotated, so one rotated half and one decoded half (a 64 x 128 block is 256 tile
+    groups: one per thread, the decode's design) are live at a time."""
+    x = rotate(s_lo + s_hi, signs, DOT_FP16)
+    acc = _product(acc, x, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    if second:
+        acc_second = _product(acc_second, x, decode_block(trellis, k0, n0 + 128, size_n, twice_k, codebook, HALF,
+                                                          2 * HALF), DOT_FP16)
+    x = rotate(s_lo - s_hi, signs, DOT_FP16)
+    acc = _product(acc, x, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    if second:
+        acc_second = _product(acc_second, x, decode_block(trellis, k0 + HALF, n0 + 128, size_n, twice_k, codebook,
+                                                          HALF, 2 * HALF), DOT_FP16)
+    return acc, acc_second
 
 
 @triton.jit

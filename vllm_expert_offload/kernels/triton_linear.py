@@ -28,7 +28,7 @@ from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, piece_product, rotate, rotate_halves, split_for)
+                           load_vector_halves, rotate, rotated_pieces, split_for)
 
 PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
@@ -68,11 +68,8 @@ def linear_kernel(
         k0 = step * 128
         a_lo, a_hi = load_row_halves(x_rows, row_ok, k0, in_offset + in_size, in_offset)
         suh_lo, suh_hi = load_vector_halves(suh_ptr + suh_at, k0)
-        x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
-        acc = piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
-        if second:
-            acc_second = piece_product(acc_second, x_lo, x_hi, trellis, k0, n0 + 128, size_n, twice_k, codebook,
-                                       DOT_FP16)
+        acc, acc_second = rotated_pieces(acc, acc_second, a_lo * suh_lo, a_hi * suh_hi, signs, trellis, k0, n0, size_n,
+                                         twice_k, codebook, second, DOT_FP16)
     signs = hadamard_signs(128)
     _store_piece(out_ptr, stride_om, partial_ptr, partial_cols, rows, offs_m, row_ok, piece, part, n0, acc,
                  signs, svh_ptr, DOT_FP16, DIRECT)
@@ -221,19 +218,22 @@ def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
-    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
-    the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook.
-    (The finish kernel reads no trellis.)"""
+    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype at
+    `SMALL_BLOCK_M` rows, writing the output directly (one part) and writing split partials (batch 1 on a GPU), and
+    for fp16 at `LARGE_BLOCK_M` rows (above `LARGE_ROWS` rows: prefill, direct), at `shape`'s K and codebook. (The
+    finish kernel reads no trellis.)"""
     signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64",
                  "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
                  "partial_ptr": "*fp32", "partial_cols": "i32"}
+    variants = [(dtype, mode, SMALL_BLOCK_M) for dtype in ("fp16", "bf16", "fp32") for mode in ("direct", "split")]
+    variants.append(("fp16", "prefill", LARGE_BLOCK_M))
     return [
         StaticKernel(
-            f"linear[{shape.codebook},{dtype},{'direct' if direct else 'split'}]", linear_kernel,
+            f"linear[{shape.codebook},{dtype},{mode}]", linear_kernel,
             signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
             {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
-             "DOT_FP16": dtype != "fp32", "BLOCK_M": SMALL_BLOCK_M, "DIRECT": direct},
+             "DOT_FP16": dtype != "fp32", "BLOCK_M": block_m, "DIRECT": mode != "split"},
             MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
         )
-        for dtype in ("fp16", "bf16", "fp32") for direct in (True, False)
+        for dtype, mode, block_m in variants
     ]

@@ -51,7 +51,7 @@ from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, piece_product, rotate, rotate_halves, split_for, write_through)
+                           load_vector_halves, rotate, rotated_pieces, split_for, write_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
@@ -99,14 +99,18 @@ def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, TW
 
 
 @triton.jit
-def _piece_product(acc, x_lo, x_hi, trellis, twice_k, codebook, fill, k0, n0, size_n, write,
-                   DOT_FP16: tl.constexpr, FILL: tl.constexpr):
-    """acc + [x_lo | x_hi] @ W_hat[k0:+128, n0:+128] of one matrix (`piece_product`, x rotated); the piece's
-    trellis words copied to the matrix's fill address first when this program writes through and there is one."""
+def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write, second,
+          DOT_FP16: tl.constexpr, FILL: tl.constexpr):
+    """One input piece of one matrix (`rotated_pieces`: s rotated in, times the piece at n0 and, where `second`,
+    at n0 + 128); the pieces' trellis words copied to the matrix's fill address first when this program writes
+    through and there is one."""
     if FILL:
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
-    return piece_product(acc, x_lo, x_hi, trellis, k0, n0, size_n, twice_k, codebook, DOT_FP16)
+            if second:
+                write_through(trellis, fill, k0, n0 + 128, size_n, twice_k)
+    return rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
+                          DOT_FP16)
 
 
 @triton.jit
@@ -160,17 +164,11 @@ def moe_gate_up_kernel(
                 a_lo = a_lo * route.to(tl.float32)[:, None]
                 a_hi = a_hi * route.to(tl.float32)[:, None]
             suh_lo, suh_hi = load_vector_halves(suh_gate_ptr + matrix * size_k, k0)
-            x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
-            acc_gate = _piece_product(acc_gate, x_lo, x_hi, *gate, k0, n0, size_n, first, DOT_FP16, FILL)
-            if second:
-                acc_gate_second = _piece_product(acc_gate_second, x_lo, x_hi, *gate, k0, n0 + 128, size_n, first,
-                                                 DOT_FP16, FILL)
+            acc_gate, acc_gate_second = _step(acc_gate, acc_gate_second, a_lo * suh_lo, a_hi * suh_hi, signs, *gate,
+                                              k0, n0, size_n, first, second, DOT_FP16, FILL)
             suh_lo, suh_hi = load_vector_halves(suh_up_ptr + matrix * size_k, k0)
-            x_lo, x_hi = rotate_halves(a_lo * suh_lo, a_hi * suh_hi, signs, DOT_FP16)
-            acc_up = _piece_product(acc_up, x_lo, x_hi, *up, k0, n0, size_n, first, DOT_FP16, FILL)
-            if second:
-                acc_up_second = _piece_product(acc_up_second, x_lo, x_hi, *up, k0, n0 + 128, size_n, first, DOT_FP16,
-                                               FILL)
+            acc_up, acc_up_second = _step(acc_up, acc_up_second, a_lo * suh_lo, a_hi * suh_hi, signs, *up, k0, n0,
+                                          size_n, first, second, DOT_FP16, FILL)
         signs = hadamard_signs(128)
         gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
         up_rows = gate_rows + num_slots * size_n
@@ -247,11 +245,8 @@ def moe_down_kernel(
                 suh_hi = suh_hi * keep_hi
             act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
             act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
-            x_lo, x_hi = rotate_halves(act_lo, act_hi, signs, DOT_FP16)
-            acc = _piece_product(acc, x_lo, x_hi, *down, k0, n0, size_n, first, DOT_FP16, FILL)
-            if second:
-                acc_second = _piece_product(acc_second, x_lo, x_hi, *down, k0, n0 + 128, size_n, first, DOT_FP16,
-                                            FILL)
+            acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
+                                    DOT_FP16, FILL)
         signs = hadamard_signs(128)
         route = None  # applied on the input
         if not ROUTE_ON_INPUT:
