@@ -65,11 +65,13 @@ def test_fused_moe_matches_table_kernel(fused_layer, tokens: int) -> None:
     assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
 
-@pytest.mark.parametrize("tokens", [1, 70])
-def test_fused_moe_pairs_of_output_pieces(tokens: int) -> None:
-    """Hidden 256, intermediate 384: at decode every gate/up and down program takes two 128-wide output pieces (the
-    last gate/up program one alone: 384 is three pieces), at prefill one; both equal the torch reference."""
-    reference, fused, _ = placed_moe(ExpertCrop(256, 384, 0), _builder(SPLIT), hidden=256, intermediate=384)
+@pytest.mark.parametrize(("tokens", "intermediate"), [(1, 640), (70, 384)])
+def test_fused_moe_pairs_of_output_pieces(tokens: int, intermediate: int) -> None:
+    """Hidden 256: at decode every gate/up and down program takes two 128-wide output pieces, the last gate/up
+    program one alone (intermediate 640: pieces (0, 1), (2, 3) and 4, so a program starting its pair at 128·i
+    rather than 256·i would leave piece 4 unwritten), at prefill one; both equal the torch reference."""
+    crop = ExpertCrop(256, intermediate, 0)
+    reference, fused, _ = placed_moe(crop, _builder(SPLIT), hidden=256, intermediate=intermediate)
     x, weights, ids = routing(tokens, seed=11, hidden=256)
     assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
