@@ -100,20 +100,21 @@ def _product(acc, a, w, DOT_FP16: tl.constexpr):
 
 @triton.jit
 def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
-                   DOT_FP16: tl.constexpr):
+                   DOT_FP16: tl.constexpr, ROTATE: tl.constexpr = True):
     """(acc + had([s_lo | s_hi]) @ W_hat[k0:+128, n0:+128], acc_second + the same with the piece at n0 + 128 where
-    `second`) for one 128-wide input piece held as two (M, 64) fp32 halves, `signs` = hadamard_signs(64).
+    `second`) for one 128-wide input piece held as two (M, 64) fp32 halves, `signs` = hadamard_signs(64); without
+    ROTATE the halves are already rotated (the down kernel's input when the gate/up kernel finished it).
 
     H128 = [[S, S], [S, -S]] / √128, so had([lo | hi]) = [(lo + hi) @ S, (lo - hi) @ S] / √128: one butterfly and
     two 64-point products. Each rotated half meets the 64 x 128 half of W_hat's piece (or pieces) it multiplies
     before the other half is rotated, so one rotated half and one decoded half (a 64 x 128 block is 256 tile
     groups: one per thread, the decode's design) are live at a time."""
-    x = rotate(s_lo + s_hi, signs, DOT_FP16)
+    x = rotate(s_lo + s_hi, signs, DOT_FP16) if ROTATE else s_lo
     acc = _product(acc, x, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     if second:
         acc_second = _product(acc_second, x, decode_block(trellis, k0, n0 + 128, size_n, twice_k, codebook, HALF,
                                                           2 * HALF), DOT_FP16)
-    x = rotate(s_lo - s_hi, signs, DOT_FP16)
+    x = rotate(s_lo - s_hi, signs, DOT_FP16) if ROTATE else s_hi
     acc = _product(acc, x, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     if second:
         acc_second = _product(acc_second, x, decode_block(trellis, k0 + HALF, n0 + 128, size_n, twice_k, codebook,
@@ -122,14 +123,17 @@ def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, 
 
 
 @triton.jit
-def load_row_halves(rows_ptr, row_ok, k0, limit, start=0):
-    """Columns k0..k0+127 of the rows at `rows_ptr` ((M, 1) pointers) as two (M, 64) fp32 halves, zero on masked
-    rows and outside columns [start, limit)."""
+def load_row_halves(rows_ptr, row_ok, k0, limit, start=0, AS_STORED: tl.constexpr = False):
+    """Columns k0..k0+127 of the rows at `rows_ptr` ((M, 1) pointers) as two (M, 64) fp32 halves (AS_STORED: in
+    the stored dtype), zero on masked rows and outside columns [start, limit)."""
     lo_cols = k0 + tl.arange(0, HALF)[None, :]
     hi_cols = lo_cols + HALF
     lo = tl.load(rows_ptr + lo_cols, mask=row_ok[:, None] & (lo_cols >= start) & (lo_cols < limit), other=0.0)
     hi = tl.load(rows_ptr + hi_cols, mask=row_ok[:, None] & (hi_cols >= start) & (hi_cols < limit), other=0.0)
-    return lo.to(tl.float32), hi.to(tl.float32)
+    if not AS_STORED:
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    return lo, hi
 
 
 @triton.jit

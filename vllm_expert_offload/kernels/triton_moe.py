@@ -15,11 +15,14 @@ that chose the expert:
 1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
    input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
    multiplied; after the K loop the two fp32 accumulators rotated back, ⊙ svh, and stored as this part's share.
-2. `moe_down_kernel` (at decode two output pieces per program): per 128-wide piece of the intermediate: gate and
-   up summed over parts in order, clamped (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels
-   (`keep_channels`, compiled only where this rank drops some), ⊙ suh of down and rotated in; down decoded and
-   multiplied; the output piece rotated back, ⊙ svh, times the router weight (unless applied on the input), stored
-   per slot and part.
+   With one part (`FINISH`: every prefill, and decode where the input is not split) the program finishes its
+   piece of down's input instead: clamped (`swiglu_limit`), SiLU(gate)·up, cropped to this rank's channels
+   (`keep_channels`, compiled only where this rank drops some), ⊙ suh of down and rotated (a piece is a whole
+   Hadamard block), stored once (fp16 for half-precision models) where every down program reads it.
+2. `moe_down_kernel` (at decode two output pieces per program): per 128-wide piece of the intermediate, its
+   input: finished by the gate/up kernel (`FINISHED`), else gate and up summed over parts in order, activated,
+   cropped, ⊙ suh of down and rotated in here, by each down program; down decoded and multiplied; the output
+   piece rotated back, ⊙ svh, times the router weight (unless applied on the input), stored per slot and part.
 3. `moe_sum_kernel`: each token's slots (and parts) summed in a fixed order (deterministic), cast to the
    model's dtype.
 Up to `DECODE_MAX_TOKENS` tokens the kernels split the input dimension of gate/up and of down so that the grid
@@ -100,7 +103,7 @@ def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, TW
 
 @triton.jit
 def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write, second,
-          DOT_FP16: tl.constexpr, FILL: tl.constexpr):
+          DOT_FP16: tl.constexpr, FILL: tl.constexpr, ROTATE: tl.constexpr = True):
     """One input piece of one matrix (`rotated_pieces`: s rotated in, times the piece at n0 and, where `second`,
     at n0 + 128); the pieces' trellis words copied to the matrix's fill address first when this program writes
     through and there is one."""
@@ -110,7 +113,7 @@ def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, 
             if second:
                 write_through(trellis, fill, k0, n0 + 128, size_n, twice_k)
     return rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
-                          DOT_FP16)
+                          DOT_FP16, ROTATE)
 
 
 @triton.jit
@@ -132,16 +135,18 @@ def moe_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
     row_ids_ptr, block_matrix_ptr, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr,
     gate_trellis, gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill,
-    size_k, size_n, steps, partial_ptr,
+    size_k, size_n, steps, partial_ptr, suh_down_ptr, keep_ptr, swiglu_limit,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K_GATE: tl.constexpr, TWICE_K_UP: tl.constexpr, CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr,
     DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr, PAIR: tl.constexpr,
-    FILL: tl.constexpr,
+    FILL: tl.constexpr, FINISH: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
 ):
     """partial[part, 0|1, slot, n0:+128·(1+PAIR)] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's
     input pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here
     rather than once per K step of the down kernel. With PAIR (decode), two 128-wide output pieces per program
-    share each step's input and its two rotations, as in the down kernel."""
+    share each step's input and its two rotations, as in the down kernel. With FINISH (one part) the program
+    stores down's rotated input for its pieces instead (`_store_activation`), once rather than once per down
+    program."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
@@ -170,14 +175,50 @@ def moe_gate_up_kernel(
             acc_up, acc_up_second = _step(acc_up, acc_up_second, a_lo * suh_lo, a_hi * suh_hi, signs, *up, k0, n0,
                                           size_n, first, second, DOT_FP16, FILL)
         signs = hadamard_signs(128)
-        gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
-        up_rows = gate_rows + num_slots * size_n
-        _store_rotated(gate_rows, row_ok, n0, acc_gate, signs, svh_gate_ptr + matrix * size_n, DOT_FP16)
-        _store_rotated(up_rows, row_ok, n0, acc_up, signs, svh_up_ptr + matrix * size_n, DOT_FP16)
-        if second:
-            _store_rotated(gate_rows, row_ok, n0 + 128, acc_gate_second, signs, svh_gate_ptr + matrix * size_n,
-                           DOT_FP16)
-            _store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up_ptr + matrix * size_n, DOT_FP16)
+        svh_gate = svh_gate_ptr + matrix * size_n
+        svh_up = svh_up_ptr + matrix * size_n
+        if FINISH:  # one part: this piece of down's input, finished here
+            act_rows = _activation_rows(partial_ptr, rows, size_n, DOT_FP16)
+            suh_down = suh_down_ptr + matrix * size_n
+            _store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
+                              swiglu_limit, DOT_FP16, CLAMP, CROP)
+            if second:
+                _store_activation(act_rows, row_ok, n0 + 128, acc_gate_second, acc_up_second, signs, svh_gate,
+                                  svh_up, suh_down, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
+        else:
+            gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
+            up_rows = gate_rows + num_slots * size_n
+            _store_rotated(gate_rows, row_ok, n0, acc_gate, signs, svh_gate, DOT_FP16)
+            _store_rotated(up_rows, row_ok, n0, acc_up, signs, svh_up, DOT_FP16)
+            if second:
+                _store_rotated(gate_rows, row_ok, n0 + 128, acc_gate_second, signs, svh_gate, DOT_FP16)
+                _store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up, DOT_FP16)
+
+
+@triton.jit
+def _activation_rows(partial_ptr, rows, width, DOT_FP16: tl.constexpr):
+    """(M, 1) pointers to the rows of the down kernel's finished input, at the start of the partial workspace: fp16
+    for half-precision models (the down product rounds its input to fp16 anyway), fp32 otherwise."""
+    if DOT_FP16:
+        base = partial_ptr.to(tl.pointer_type(tl.float16))
+    else:
+        base = partial_ptr
+    return base + rows[:, None] * width
+
+
+@triton.jit
+def _store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
+                      swiglu_limit, DOT_FP16: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr):
+    """Columns n0..n0+127 of down's input, rotated: had(act(had(gate) ⊙ svh, had(up) ⊙ svh) ⊙ suh(down)), cropped
+    to this rank's channels where CROP. A piece is a whole Hadamard block, so it rotates alone."""
+    offs = n0 + tl.arange(0, 128)
+    gate = rotate(acc_gate, signs, DOT_FP16) * tl.load(svh_gate + offs).to(tl.float32)[None, :]
+    up = rotate(acc_up, signs, DOT_FP16) * tl.load(svh_up + offs).to(tl.float32)[None, :]
+    scale = tl.load(suh_down + offs).to(tl.float32)
+    if CROP:
+        scale = scale * tl.load(keep_ptr + offs)
+    x = rotate(_activation(gate, up, swiglu_limit, CLAMP) * scale[None, :], signs, DOT_FP16)
+    tl.store(act_rows + offs[None, :], x.to(act_rows.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -208,12 +249,13 @@ def moe_down_kernel(
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
     CLAMP: tl.constexpr, CROP: tl.constexpr, PAIR: tl.constexpr,
-    FILL: tl.constexpr,
+    FILL: tl.constexpr, FINISHED: tl.constexpr,
 ):
     """out[part, slot, n0:+128·(1+PAIR)] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's
-    pieces, gate and up the sums of the gate/up kernel's parts (already rotated back). With PAIR (decode), two
-    128-wide output pieces per program (the second where the output has it) share each step's activation and its
-    rotation; 64-row prefill blocks take one (a second (64, 128) accumulator would spill)."""
+    pieces, gate and up the sums of the gate/up kernel's parts (already rotated back); with FINISHED the gate/up
+    kernel left act(gate, up) ⊙ suh already rotated, and the K loop only decodes and multiplies. With PAIR
+    (decode), two 128-wide output pieces per program (the second where the output has it) share each step's input;
+    64-row prefill blocks take one (a second (64, 128) accumulator would spill)."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
@@ -223,30 +265,36 @@ def moe_down_kernel(
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         down = _matrix(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
+        act_rows = _activation_rows(partial_ptr, rows, size_k, DOT_FP16)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
             k0 = step * 128
-            gate_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            gate_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            up_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            up_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            for gate_part in range(gate_parts):  # in order: deterministic
-                where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k
-                lo, hi = load_row_halves(where, row_ok, k0, size_k)
-                gate_lo += lo
-                gate_hi += hi
-                lo, hi = load_row_halves(where + num_slots * size_k, row_ok, k0, size_k)
-                up_lo += lo
-                up_hi += hi
-            suh_lo, suh_hi = load_vector_halves(suh_down_ptr + matrix * size_k, k0)
-            if CROP:  # this rank's channels only
-                keep_lo, keep_hi = load_vector_halves(keep_ptr, k0)
-                suh_lo = suh_lo * keep_lo
-                suh_hi = suh_hi * keep_hi
-            act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
-            act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
-            acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
-                                    DOT_FP16, FILL)
+            if FINISHED:  # the gate/up kernel's one part left down's rotated input
+                x_lo, x_hi = load_row_halves(act_rows, row_ok, k0, size_k, 0, True)
+                acc, acc_second = _step(acc, acc_second, x_lo, x_hi, signs, *down, k0, n0, size_n, first, second,
+                                        DOT_FP16, FILL, False)
+            else:
+                gate_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+                gate_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+                up_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+                up_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+                for gate_part in range(gate_parts):  # in order: deterministic
+                    where = partial_ptr + (gate_part * 2 * num_slots + rows[:, None]) * size_k
+                    lo, hi = load_row_halves(where, row_ok, k0, size_k)
+                    gate_lo += lo
+                    gate_hi += hi
+                    lo, hi = load_row_halves(where + num_slots * size_k, row_ok, k0, size_k)
+                    up_lo += lo
+                    up_hi += hi
+                suh_lo, suh_hi = load_vector_halves(suh_down_ptr + matrix * size_k, k0)
+                if CROP:  # this rank's channels only
+                    keep_lo, keep_hi = load_vector_halves(keep_ptr, k0)
+                    suh_lo = suh_lo * keep_lo
+                    suh_hi = suh_hi * keep_hi
+                act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
+                act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
+                acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
+                                        DOT_FP16, FILL)
         signs = hadamard_signs(128)
         route = None  # applied on the input
         if not ROUTE_ON_INPUT:
@@ -275,22 +323,25 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
 
 def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
                     gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
-                    twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup, route_on_input, dot_fp16):
+                    keep, suh_down, swiglu_limit, twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup,
+                    route_on_input, dot_fp16):
     parts, _, num_slots, size_n = partial.shape
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = gate_fill is not None
+    crop = keep is not None
     pair, pieces = _pieces_grid(size_n, block_m)
     moe_gate_up_kernel[(blocks, pieces, parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
-        size_k, size_n, size_k // PIECE, partial,
+        size_k, size_n, size_k // PIECE, partial, suh_down, keep if crop else partial,
+        0.0 if swiglu_limit is None else swiglu_limit,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
         DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, PAIR=pair,
-        FILL=fill, num_warps=MATMUL_WARPS,
+        FILL=fill, FINISH=parts == 1, CLAMP=swiglu_limit is not None, CROP=crop, num_warps=MATMUL_WARPS,
     )
 
 
@@ -311,7 +362,7 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
         CLAMP=swiglu_limit is not None, CROP=crop, PAIR=pair,
-        FILL=fill, num_warps=MATMUL_WARPS,
+        FILL=fill, FINISHED=partial.shape[0] == 1, num_warps=MATMUL_WARPS,
     )
 
 
@@ -329,8 +380,8 @@ _gate_up = register_launch(
     f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, "
     "Tensor gate_twice_k, "
     "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
-    f"Tensor? up_fill, Tensor(a!) partial, int twice_k_gate, int twice_k_up, int codebook_gate, int codebook_up, "
-    f"{_FLAGS}",
+    f"Tensor? up_fill, Tensor(a!) partial, Tensor? keep, Tensor suh_down, float? swiglu_limit, int twice_k_gate, "
+    f"int twice_k_up, int codebook_gate, int codebook_up, {_FLAGS}",
     _launch_gate_up,
 )
 _down = register_launch(
@@ -424,7 +475,7 @@ class FusedTritonMoE:
                  self.scales[("gate", "svh")], self.scales[("up", "svh")],
                  gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
                  up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
-                 gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
+                 self.keep_channels, self.scales[("down", "suh")], self.swiglu_limit, gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
         _down(partial, *routing, self.keep_channels,
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
@@ -464,11 +515,13 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
                        "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16",
                        **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
-                       "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32"}
+                       "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32",
+                       "suh_down_ptr": "*fp16", "keep_ptr": "*fp32", "swiglu_limit": "fp32"}
             kernels.append(StaticKernel(
                 f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
                 {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
-                 "CODEBOOK_UP": codebook, "PAIR": mode == "decode"}, MATMUL_WARPS, 3,
+                 "CODEBOOK_UP": codebook, "PAIR": mode == "decode", "FINISH": mode == "prefill", "CLAMP": False,
+                 "CROP": False}, MATMUL_WARPS, 3,
                 2 * (1 + (mode == "decode")) * PIECE * PIECE, dtype=dtype,
                 trellis_arg="gate_trellis"))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
@@ -477,6 +530,6 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
                 {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False,
-                 "PAIR": mode == "decode"}, MATMUL_WARPS, 3, (1 + (mode == "decode")) * PIECE * PIECE,
+                 "PAIR": mode == "decode", "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3, (1 + (mode == "decode")) * PIECE * PIECE,
                 dtype=dtype, trellis_arg="down_trellis"))
     return kernels
