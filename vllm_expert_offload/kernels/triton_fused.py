@@ -6,7 +6,7 @@ a program that holds a 128-wide piece of an input row can rotate it itself, `had
 H the normalised 128 x 128 Sylvester matrix, and a program that holds a 128-wide piece of an output row can
 rotate that back. Input pieces are held as two 64-wide halves: H = [[S, S], [S, -S]] / √128 for the 64-point
 Sylvester matrix S, so rotating an input piece is one butterfly of the halves and two 64-point products
-(`rotate_halves`), and each rotated half meets one 64 x 128 half of the W_hat piece; outputs are rotated back once,
+(`rotated_pieces`), and each rotated half meets one 64 x 128 half of the W_hat piece; outputs are rotated back once,
 after the K loop (`rotate`). The products run on tensor cores at fp32's accuracy where it matters: the fp32 operand
 is split exactly into bf16 terms (`rotation_terms`), each multiplied by the exact ±1 signs (made in registers from
 indices) with fp32 accumulation. A half-precision model's rotated input is then rounded to fp16 for the
