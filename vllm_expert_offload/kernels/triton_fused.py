@@ -109,16 +109,20 @@ def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, 
     two 64-point products. Each rotated half meets the 64 x 128 half of W_hat's piece (or pieces) it multiplies
     before the other half is rotated, so one rotated half and one decoded half (a 64 x 128 block is 256 tile
     groups: one per thread, the decode's design) are live at a time."""
-    x = rotate(s_lo + s_hi, signs, DOT_FP16) if ROTATE else s_lo
-    acc = _product(acc, x, decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    acc, acc_second = _half_products(acc, acc_second, rotate(s_lo + s_hi, signs, DOT_FP16) if ROTATE else s_lo,
+                                     trellis, k0, n0, size_n, twice_k, codebook, second, DOT_FP16)
+    return _half_products(acc, acc_second, rotate(s_lo - s_hi, signs, DOT_FP16) if ROTATE else s_hi, trellis,
+                          k0 + HALF, n0, size_n, twice_k, codebook, second, DOT_FP16)
+
+
+@triton.jit
+def _half_products(acc, acc_second, x, trellis, k, n0, size_n, twice_k, codebook, second, DOT_FP16: tl.constexpr):
+    """(acc + x @ W_hat[k:+64, n0:+128], acc_second + x @ W_hat[k:+64, n0+128:+128] where `second`): one rotated
+    input half times the row half of the piece (or of both pieces of a pair) it meets."""
+    acc = _product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     if second:
-        acc_second = _product(acc_second, x, decode_block(trellis, k0, n0 + 128, size_n, twice_k, codebook, HALF,
+        acc_second = _product(acc_second, x, decode_block(trellis, k, n0 + 128, size_n, twice_k, codebook, HALF,
                                                           2 * HALF), DOT_FP16)
-    x = rotate(s_lo - s_hi, signs, DOT_FP16) if ROTATE else s_hi
-    acc = _product(acc, x, decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
-    if second:
-        acc_second = _product(acc_second, x, decode_block(trellis, k0 + HALF, n0 + 128, size_n, twice_k, codebook,
-                                                          HALF, 2 * HALF), DOT_FP16)
     return acc, acc_second
 
 

@@ -321,6 +321,15 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _activation_args(keep: torch.Tensor | None, swiglu_limit: float | None,
+                     partial: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, bool]]:
+    """(keep pointer, clamp limit, constexprs) of the activation, which the gate/up kernel applies with one part and
+    the down kernel otherwise: without a crop the kernels compile none and get an unread tensor for `keep`."""
+    crop = keep is not None
+    return (keep if crop else partial, 0.0 if swiglu_limit is None else swiglu_limit,
+            dict(CLAMP=swiglu_limit is not None, CROP=crop))
+
+
 def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
                     gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
                     keep, suh_down, swiglu_limit, twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup,
@@ -329,19 +338,18 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = gate_fill is not None
-    crop = keep is not None
+    keep_ptr, limit, activation = _activation_args(keep, swiglu_limit, partial)
     pair, pieces = _pieces_grid(size_n, block_m)
     moe_gate_up_kernel[(blocks, pieces, parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
-        size_k, size_n, size_k // PIECE, partial, suh_down, keep if crop else partial,
-        0.0 if swiglu_limit is None else swiglu_limit,
+        size_k, size_n, size_k // PIECE, partial, suh_down, keep_ptr, limit,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
         DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, PAIR=pair,
-        FILL=fill, FINISH=parts == 1, CLAMP=swiglu_limit is not None, CROP=crop, num_warps=MATMUL_WARPS,
+        FILL=fill, FINISH=parts == 1, **activation, num_warps=MATMUL_WARPS,
     )
 
 
@@ -352,17 +360,15 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
     size_k = partial.shape[3]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = down_fill is not None
-    crop = keep is not None
+    keep_ptr, limit, activation = _activation_args(keep, swiglu_limit, partial)
     pair, pieces = _pieces_grid(size_n, block_m)
     moe_down_kernel[(blocks, pieces, parts)](
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
-        num_slots, row_ids, block_matrix, keep if crop else partial, suh_down, svh_down,
-        0.0 if swiglu_limit is None else swiglu_limit, down_trellis, down_twice_k, down_codebook,
-        down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
+        num_slots, row_ids, block_matrix, keep_ptr, suh_down, svh_down, limit, down_trellis, down_twice_k,
+        down_codebook, down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
         TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        CLAMP=swiglu_limit is not None, CROP=crop, PAIR=pair,
-        FILL=fill, FINISHED=partial.shape[0] == 1, num_warps=MATMUL_WARPS,
+        PAIR=pair, FILL=fill, FINISHED=partial.shape[0] == 1, **activation, num_warps=MATMUL_WARPS,
     )
 
 
@@ -475,7 +481,8 @@ class FusedTritonMoE:
                  self.scales[("gate", "svh")], self.scales[("up", "svh")],
                  gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
                  up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
-                 self.keep_channels, self.scales[("down", "suh")], self.swiglu_limit, gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
+                 self.keep_channels, self.scales[("down", "suh")], self.swiglu_limit,
+                 gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
         _down(partial, *routing, self.keep_channels,
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
@@ -526,10 +533,12 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                 trellis_arg="gate_trellis"))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
                     "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16", "swiglu_limit": "fp32",
-                    **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32", "out_ptr": "*fp32"}
+                    **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32",
+                    "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
                 {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False,
-                 "PAIR": mode == "decode", "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3, (1 + (mode == "decode")) * PIECE * PIECE,
+                 "PAIR": mode == "decode", "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3,
+                (1 + (mode == "decode")) * PIECE * PIECE,
                 dtype=dtype, trellis_arg="down_trellis"))
     return kernels
