@@ -16,6 +16,7 @@ from vllm_expert_offload.exl3 import parse_linear
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels import triton_linear, triton_moe
 from vllm_expert_offload.kernels.contract import ExpertCrop
+from vllm_expert_offload.kernels.expert_blocks import blocks_where, grouped_blocks, slot_counts
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
 from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE, _block_rows, fused_moe
@@ -58,8 +59,9 @@ def fused_layer():
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 64, 300])
 def test_fused_moe_matches_table_kernel(fused_layer, tokens: int) -> None:
-    """Decode (one program per slot, in-kernel dedup, split input), 17-64 tokens (dedup, 64-row blocks) and
-    prefill (rows sorted by expert into 64-row blocks) against the torch reference."""
+    """Decode (one program per slot, in-kernel dedup, split input), 17-64 tokens (dedup, one part) and prefill
+    (rows sorted by expert into 16-row blocks; no expert reaches the dequantize threshold, 144) against the torch
+    reference."""
     reference, fused, _ = fused_layer
     x, weights, ids = routing(tokens, seed=tokens)
     assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
@@ -97,20 +99,24 @@ def test_fused_moe_router_weight_on_input(fused_layer, tokens: int) -> None:
     [(ExpertCrop(100, 96, 32), None), (ExpertCrop(HIDDEN, 64, 192), 0.5)],  # as test_exl3_kernels.py
 )
 def test_fused_moe_tensor_parallel_crop_and_clamp(crop: ExpertCrop, swiglu_limit: float | None) -> None:
-    reference, fused, _ = placed_moe(crop, _builder((2, 1)), swiglu_limit, seed=1)
-    for tokens in (3, 20):
+    """Decode (split gate/up), 17-64 tokens, and a prefill whose experts with 20 slots or more are dequantized."""
+    reference, fused, _ = placed_moe(crop, _dense_builder((2, 1)), swiglu_limit, seed=1)
+    for tokens in (3, 20, 70):
         x, weights, ids = routing(tokens, seed=tokens)
         x = x[:, : crop.hidden].contiguous()
         assert_close_to_reference(fused.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
 
-def test_fused_moe_half_precision_activations() -> None:
-    """fp16/bf16 models multiply in fp16 after the in-kernel rotation (as exllamav3): close to fp32, in x's dtype."""
-    reference, fused, _ = placed_moe(FULL, _builder((1, 1)))
-    x, weights, ids = routing(3, seed=3)
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_fused_moe_half_precision_activations(tokens: int) -> None:
+    """fp16/bf16 models multiply in fp16 after the in-kernel rotation (as exllamav3), and a prefill's dequantized
+    experts hold fp16 weights: close to fp32, in x's dtype."""
+    reference, _, _ = placed_moe(FULL, _builder((1, 1)))
+    x, weights, ids = routing(tokens, seed=tokens)
     want = reference.forward(x, weights, ids, False)
     fused_half = placed_moe(FULL, lambda layer: FusedTritonMoE(
-        layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, torch.float16, CPU, top_k=2))[1]
+        layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, torch.float16, CPU, top_k=2,
+        **DENSE))[1]
     for dtype in (torch.float16, torch.bfloat16):
         got = fused_half.forward(x.to(dtype), weights, ids, False)
         assert got.dtype == dtype
@@ -127,11 +133,11 @@ def _probe_block_rows(ids_ptr, num_slots, matrix_ptr, rows_ptr, TOP_K: tl.conste
     tl.store(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), tl.where(row_ok, rows, -1))
 
 
-@pytest.mark.parametrize(("tokens", "top_k", "block_m"), [(1, 2, 16), (8, 2, 16), (16, 4, 16), (40, 3, 64)])
+@pytest.mark.parametrize(("tokens", "top_k", "block_m"), [(1, 2, 16), (8, 2, 16), (16, 4, 16), (40, 3, 16)])
 def test_each_selected_expert_is_led_once_and_every_slot_gathered_once(tokens: int, top_k: int, block_m: int) -> None:
-    """The in-kernel dedup: one leading program per selected expert (so its trellis is read once per forward),
-    which gathers exactly the slots that chose it; the rest skip. With duplicates beyond BLOCK_M (EP maps
-    non-local experts to 0), one leader per BLOCK_M slots of that expert, the first of them marked."""
+    """The in-kernel dedup: one leading program per BLOCK_M slots of each selected expert (so its trellis is read
+    once per forward up to BLOCK_M slots, at 40 tokens twice), which gathers exactly the next BLOCK_M slots that
+    chose it; the rest skip; the first leader of an expert is marked (it writes through)."""
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
     slots = tokens * top_k
@@ -141,11 +147,13 @@ def test_each_selected_expert_is_led_once_and_every_slot_gathered_once(tokens: i
                                 SLOTS_P2=triton.next_power_of_2(slots))
     flat = ids.reshape(-1)
     leaders = [s for s in range(slots) if matrix[s, 0] >= 0]
-    assert sorted(int(matrix[s, 0]) for s in leaders) == sorted(set(flat.tolist()))  # once per expert
-    for s in leaders:
-        members = [int(r) for r in rows[s] if r >= 0]
-        assert members == [r for r in range(slots) if flat[r] == matrix[s, 0]]
-        assert matrix[s, 1] == 1
+    for expert in set(flat.tolist()):  # one leader per BLOCK_M of its slots, each gathering the next BLOCK_M
+        chose = [r for r in range(slots) if flat[r] == expert]
+        mine = [s for s in leaders if matrix[s, 0] == expert]
+        assert mine == chose[::block_m]
+        assert [int(r) for s in mine for r in rows[s] if r >= 0] == chose
+        assert [int(matrix[s, 1]) for s in mine] == [1] + [0] * (len(mine) - 1)  # the first writes through
+    assert len(leaders) == sum(-(-int(c) // block_m) for c in torch.bincount(flat) if c > 0)
 
 
 def test_an_expert_chosen_by_more_slots_than_a_block_is_led_once_per_block() -> None:
@@ -157,6 +165,57 @@ def test_an_expert_chosen_by_more_slots_than_a_block_is_led_once_per_block() -> 
     assert leaders == [0, 16] and matrix[0, 1] == 1 and matrix[16, 1] == 0  # only the first writes through
     assert [int(r) for r in rows[0] if r >= 0] == list(range(16))
     assert [int(r) for r in rows[16] if r >= 0] == [16, 17, 18, 19]
+
+
+# --- prefill: experts with many slots dequantized once (triton_prefill.py) -------------------------------
+
+# The fp32 test experts take 98,304 floats each (gate, up: 128 x 256; down 256 x 128): two per chunk, three chunks.
+DENSE = {"dequant_min_rows": 20, "dequant_workspace_bytes": 2 * 98304 * 4}
+
+
+def _dense_builder(split: tuple[int, int]):
+    return lambda layer: fused_moe(layer, split, **DENSE)
+
+
+def _both_paths(ids: torch.Tensor) -> None:
+    """Some selected expert reaches the threshold (dequantized) and some does not (fused kernels)."""
+    counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
+    assert (counts >= DENSE["dequant_min_rows"]).any() and ((counts > 0) & (counts < DENSE["dequant_min_rows"])).any()
+
+
+@pytest.mark.parametrize("on_input", [False, True])
+def test_dequantized_prefill_matches_table_kernel(on_input: bool) -> None:
+    """70 tokens, threshold 20: the experts with 20 slots or more decoded once into the workspace (three chunks of
+    two) and multiplied by the grouped GEMMs, the others through the fused kernels' 16-row blocks; with the
+    router weight on the output or on the input, equal to the torch reference."""
+    reference, fused, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    assert fused.prefill.chunk == 2
+    x, weights, ids = routing(70, seed=70)
+    _both_paths(ids)
+    assert_close_to_reference(fused.forward(x, weights, ids, on_input), reference.forward(x, weights, ids, on_input))
+
+
+def test_dequantized_prefill_launches_a_fixed_set() -> None:
+    """Per chunk of experts three dequantize launches (gate, up, down) and the two GEMMs, whatever the batch;
+    the fused kernels and the sum once."""
+    _, fused, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    inputs, more = routing(70, seed=70), routing(130, seed=3)
+    counts = count_launches(lambda: fused.forward(*inputs, False))
+    assert counts == count_launches(lambda: fused.forward(*more, False))
+    chunks = 3
+    assert [counts[f"triton::{k}"] for k in ("dequantize_kernel", "grouped_gate_up_kernel", "grouped_down_kernel",
+                                             "moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel")] == [
+        3 * chunks, chunks, chunks, 1, 1, 1]
+
+
+def test_slot_counts_and_blocks_split_between_the_two_paths() -> None:
+    ids = torch.tensor([2, 0, 2, 2, 1, 2, 0])
+    counts = slot_counts(ids, 4)
+    assert counts.tolist() == [2, 1, 4, 0]
+    _, block_matrix = grouped_blocks(ids, 4, 2, counts)
+    assert block_matrix.tolist() == [0, 1, 2, 2, -1, -1, -1, -1]
+    assert blocks_where(block_matrix, counts, 2, at_least=True).tolist() == [0, -1, 2, 2, -1, -1, -1, -1]
+    assert blocks_where(block_matrix, counts, 2, at_least=False).tolist() == [-1, 1, -1, -1, -1, -1, -1, -1]
 
 
 # --- launches -------------------------------------------------------------------------------------------
@@ -230,11 +289,13 @@ def test_fused_linear_half_precision() -> None:
 # --- write-through (the expert cache's fill tables) -----------------------------------------------------
 
 
-def test_write_through_copies_every_trellis_read_and_leaves_outputs_unchanged() -> None:
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_write_through_copies_every_trellis_read_and_leaves_outputs_unchanged(tokens: int) -> None:
     """After one forward with fill tables for every expert, each selected expert's fill buffers equal its
-    trellises bit for bit and the others stay untouched; the output is what it was without fill tables."""
-    _, fused, _ = placed_moe(FULL, _builder((2, 2)))
-    x, weights, ids = routing(3, seed=5)
+    trellises bit for bit and the others stay untouched; the output is what it was without fill tables. At 70
+    tokens the experts with 20 slots or more are dequantized, and the dequantize kernel writes them through."""
+    _, fused, _ = placed_moe(FULL, _dense_builder((2, 2)))
+    x, weights, ids = routing(tokens, seed=5)
     want = fused.forward(x, weights, ids, False)
     buffers = {p: [torch.zeros_like(e.projections[p].trellis) for e in fused.experts] for p in PROJECTIONS}
     fused.write_through({p: torch.tensor([b.data_ptr() for b in buffers[p]]) for p in PROJECTIONS})
@@ -258,7 +319,7 @@ def test_write_through_copies_every_trellis_read_and_leaves_outputs_unchanged() 
 def test_write_through_only_where_the_fill_address_is_set() -> None:
     """A 0 entry means no fill buffer: that expert reads as usual and nothing is written for it."""
     _, fused, _ = placed_moe(FULL, _builder((1, 1)))
-    x, weights, ids = routing(20, seed=6)  # 17-64 tokens: 64-row blocks
+    x, weights, ids = routing(20, seed=6)  # 17-64 tokens: one part, in-kernel dedup
     chosen = int(ids[0, 0])
     buffers = {p: torch.zeros_like(fused.experts[chosen].projections[p].trellis) for p in PROJECTIONS}
     table = {p: torch.zeros(len(TIERS), dtype=torch.int64) for p in PROJECTIONS}
@@ -274,16 +335,17 @@ def test_write_through_only_where_the_fill_address_is_set() -> None:
 # --- no host synchronisation ----------------------------------------------------------------------------
 
 
-def _meta_fused():
-    moe = fused_moe(meta_moe_layer(expert_sets(0), FULL), (2, 2))
+def _meta_fused(**prefill: int):
+    moe = fused_moe(meta_moe_layer(expert_sets(0), FULL), (2, 2), **prefill)
     layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
     linear = FusedTritonLinear([LinearShard(layer, 0, 128, 128, 0, 128)], torch.float32, META, split=2)
     return moe, linear
 
 
-@pytest.mark.parametrize("tokens", [3, 20, 70])  # decode (split), 64-row dedup, prefill (sorted by torch)
-def test_fused_forwards_run_with_every_tensor_on_meta(tokens: int) -> None:
-    moe, linear = _meta_fused()
+@pytest.mark.parametrize(("tokens", "prefill"), [(3, {}), (20, {}), (70, {}), (70, DENSE)])
+def test_fused_forwards_run_with_every_tensor_on_meta(tokens: int, prefill: dict[str, int]) -> None:
+    """Decode (split), 17-64 tokens (in-kernel dedup), prefill sorted by torch, and prefill with experts dequantized."""
+    moe, linear = _meta_fused(**prefill)
     assert_all_on_meta(moe)
     assert_all_on_meta(linear)
     x, weights, ids = meta_routing(tokens, 2, HIDDEN)
@@ -305,9 +367,9 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatc
         linear.forward(x)
 
 
-@pytest.mark.parametrize("tokens", [3, 70])
-def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int) -> None:
-    _, fused, _ = placed_moe(FULL, _builder((2, 2)))
+@pytest.mark.parametrize(("tokens", "prefill"), [(3, {}), (70, {}), (70, DENSE)])
+def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int, prefill: dict[str, int]) -> None:
+    _, fused, _ = placed_moe(FULL, lambda layer: fused_moe(layer, (2, 2), **prefill))
     x, weights, ids = routing(tokens, seed=tokens)
     linear, rows = _fused_linear(2), torch.randn(tokens, 144)
     with NoHostSync():

@@ -30,16 +30,24 @@ def single_matrix_blocks(rows: int, block_m: int, device: torch.device) -> tuple
     return row_ids, torch.zeros(blocks, dtype=torch.int32, device=device)
 
 
+def slot_counts(matrix_of_row: torch.Tensor, num_matrices: int) -> torch.Tensor:
+    """int64 (num_matrices,): how many rows each matrix has."""
+    ids = matrix_of_row.to(torch.int64)
+    counts = torch.zeros(num_matrices, dtype=torch.int64, device=matrix_of_row.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def grouped_blocks(
-    matrix_of_row: torch.Tensor, num_matrices: int, block_m: int
+    matrix_of_row: torch.Tensor, num_matrices: int, block_m: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_ids, block_matrix): rows of each matrix packed into consecutive blocks, in row order."""
+    """(row_ids, block_matrix): rows of each matrix packed into consecutive blocks, in row order. `counts`: the
+    rows' `slot_counts` where the caller has them already."""
     device = matrix_of_row.device
     ids = matrix_of_row.to(torch.int64)
     rows = ids.shape[0]
     max_blocks = -(-rows // block_m) + num_matrices
-    counts = torch.zeros(num_matrices, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    if counts is None:
+        counts = slot_counts(ids, num_matrices)
     blocks_per_matrix = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks_per_matrix, 0)
     row_start = torch.cumsum(counts, 0) - counts  # first sorted position of each matrix's rows
@@ -52,3 +60,12 @@ def grouped_blocks(
     block_matrix = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
     block_matrix = torch.where(block_matrix < num_matrices, block_matrix, -1)
     return row_ids, block_matrix.to(torch.int32)
+
+
+def blocks_where(block_matrix: torch.Tensor, counts: torch.Tensor, min_rows: int, at_least: bool) -> torch.Tensor:
+    """`block_matrix` with -1 (skip) on every block whose matrix has fewer than `min_rows` rows (`at_least`), or at
+    least that many (not `at_least`): two launches share one batch, each taking its matrices' blocks."""
+    matrix = block_matrix.to(torch.int64).clamp(min=0)
+    many = counts[matrix] >= min_rows
+    keep = (block_matrix >= 0) & (many if at_least else ~many)
+    return torch.where(keep, block_matrix, -1)

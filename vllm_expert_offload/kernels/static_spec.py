@@ -40,8 +40,9 @@ class StaticKernel:
     # Which loads read trellis memory, found by address provenance in the PTX: the pointer argument the
     # trellis addresses come from, and how many address loads lie between it and the trellis data
     # (1: it points to an int64 table of trellis addresses, as MatrixTable.trellis, whose entries may also hold
-    # offsets into other pointer arguments' arrays, as linear_kernel's pieces; 0: it is a trellis).
-    trellis_arg: str
+    # offsets into other pointer arguments' arrays, as linear_kernel's pieces; 0: it is a trellis). None: the kernel
+    # reads no trellis (a GEMM over decoded weights): the report gives its registers, spills and shared memory only.
+    trellis_arg: str | None
     trellis_indirection: int = 1
     dtype: str = "fp16"  # activation dtype of this variant ("fp16", "bf16", "fp32"): spills must be 0 for fp16/bf16
     options: Mapping[str, Any] = field(default_factory=dict)  # further triton.compile options, if any

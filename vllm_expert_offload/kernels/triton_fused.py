@@ -30,11 +30,12 @@ MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) piece product: 3
 
 
 @triton.jit
-def hadamard_signs(N: tl.constexpr):
+def hadamard_signs(N: tl.constexpr, COLS: tl.constexpr = 0, COL0: tl.constexpr = 0):
     """The unnormalised N x N Sylvester matrix (N = 64 or 128), ±1 in bf16 (exact): entry (i, j) is
-    (-1)^popcount(i & j). Made from indices in registers, so no kernel reads a matrix from memory."""
+    (-1)^popcount(i & j); with COLS, only its columns COL0..COL0+COLS-1. Made from indices in registers, so no
+    kernel reads a matrix from memory."""
     i = tl.arange(0, N)[:, None]
-    j = tl.arange(0, N)[None, :]
+    j = COL0 + tl.arange(0, N if COLS == 0 else COLS)[None, :]
     parity = i & j
     parity ^= parity >> 4
     parity ^= parity >> 2
@@ -88,7 +89,7 @@ def rotate(x, signs, DOT_FP16: tl.constexpr):
 
 
 @triton.jit
-def _product(acc, a, w, DOT_FP16: tl.constexpr):
+def product(acc, a, w, DOT_FP16: tl.constexpr):
     """acc + a @ w: fp16 tensor cores for half-precision models (a rounded to fp16, as exllamav3 rounds the
     rotated input), exact fp32 otherwise."""
     if DOT_FP16:
@@ -119,9 +120,9 @@ def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, 
 def _half_products(acc, acc_second, x, trellis, k, n0, size_n, twice_k, codebook, second, DOT_FP16: tl.constexpr):
     """(acc + x @ W_hat[k:+64, n0:+128], acc_second + x @ W_hat[k:+64, n0+128:+128] where `second`): one rotated
     input half times the row half of the piece (or of both pieces of a pair) it meets."""
-    acc = _product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    acc = product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     if second:
-        acc_second = _product(acc_second, x, decode_block(trellis, k, n0 + 128, size_n, twice_k, codebook, HALF,
+        acc_second = product(acc_second, x, decode_block(trellis, k, n0 + 128, size_n, twice_k, codebook, HALF,
                                                           2 * HALF), DOT_FP16)
     return acc, acc_second
 

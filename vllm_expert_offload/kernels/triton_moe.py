@@ -1,16 +1,18 @@
 """One MoE layer's routed experts in three Triton launches: gate+up, down, and the per-token sum.
 
 Rows are slots: slot s = t·top_k + j is token t's j-th pick, expert topk_ids[t, j]. A program takes up to
-BLOCK_M slots of one expert and one 128-wide piece of the output (two at decode, sharing their input; and one
-part of the input dimension when it is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots
-that chose the expert:
+BLOCK_M (16) slots of one expert and two 128-wide pieces of the output sharing their input (and one part of the
+input dimension when it is split), so each (expert, piece) of the trellis is read once per BLOCK_M slots that chose
+the expert:
 - up to `DEDUP_MAX_TOKENS` tokens: the grid has one program per slot; a program leads when its slot's rank
-  among the slots of its expert is a multiple of BLOCK_M (16 up to `DECODE_MAX_TOKENS` tokens, else 64), and
-  gathers the slots of that expert ranked from there on; the others exit at once. No torch op builds this:
-  the program reads the routing ids itself. With distinct experts per token (vLLM's top-k), no more slots than
-  BLOCK_M share an expert, so each selected expert's trellis is read exactly once per forward;
-- prefill (more tokens): slots sorted by expert into blocks of 64 (`expert_blocks.grouped_blocks`, a fixed
-  set of about 25 small torch ops), so a piece of W_hat is decoded once per 64 slots.
+  among the slots of its expert is a multiple of BLOCK_M, and gathers the slots of that expert ranked from there
+  on; the others exit at once. No torch op builds this: the program reads the routing ids itself. Up to
+  `DECODE_MAX_TOKENS` tokens (distinct experts per token, vLLM's top-k) no more slots than BLOCK_M share an
+  expert, so each selected expert's trellis is read exactly once per forward;
+- prefill (more tokens): slots sorted by expert into blocks of 16 (`expert_blocks.grouped_blocks`, a fixed set of
+  small torch ops). From `DEQUANT_MIN_ROWS` tokens on, the experts with at least that many slots leave these
+  kernels (their blocks are skipped, `expert_blocks.blocks_where`) for triton_prefill.py: decoded once into a
+  workspace and multiplied by grouped GEMMs, whose epilogues store into the same per-slot buffers.
 
 1. `moe_gate_up_kernel`: per program, for each 128-wide input piece of its part: x rows (router weight on the
    input when asked), ⊙ suh, rotated in-kernel; gate and up decoded (`triton_decode.decode_block`) and
@@ -46,20 +48,21 @@ from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
 from .contract import ExpertCrop, MoELayer
-from .expert_blocks import grouped_blocks
+from .expert_blocks import blocks_where, grouped_blocks, slot_counts
 from .expert_slots import ExpertSlots
 from .launch_ops import register_launch
 from .matrix_table import matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_decode import matrix_rate
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, rotate, rotated_pieces, split_for, write_through)
+                           load_vector_halves, rotated_pieces, split_for, write_through)
+from .triton_prefill import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, DequantizedPrefill
+from .triton_moe_steps import (activation, activation_args, activation_rows, matrix_facts, store_activation,
+                               store_rotated)
 
-DECODE_MAX_TOKENS = 16  # up to here: BLOCK_M = DECODE_BLOCK_M and the input dimension split to fill the GPU
+DECODE_MAX_TOKENS = 16  # up to here: the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
-DECODE_BLOCK_M = 16  # tl.dot's minimum
-PREFILL_BLOCK_M = 64
+BLOCK_M = 16  # slots per program (tl.dot's minimum); experts with more slots than a prefill's threshold: triton_prefill
 SUM_BLOCK = 256  # output columns per program of the sum kernel
 
 
@@ -91,17 +94,6 @@ def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, bl
 
 
 @triton.jit
-def _matrix(trellis_table, twice_k_table, codebook_table, fill_table, matrix, TWICE_K: tl.constexpr,
-            CODEBOOK: tl.constexpr, FILL: tl.constexpr):
-    """(trellis address, 2K, codebook, fill address or 0) of `matrix` in a table, read once before a kernel's K
-    loop (2K and codebook are the constexprs when the table is uniform)."""
-    trellis = tl.load(trellis_table + matrix)
-    twice_k, codebook = matrix_rate(twice_k_table + matrix, codebook_table + matrix, TWICE_K, CODEBOOK)
-    fill = tl.load(fill_table + matrix) if FILL else 0
-    return trellis, twice_k, codebook, fill
-
-
-@triton.jit
 def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write, second,
           DOT_FP16: tl.constexpr, FILL: tl.constexpr, ROTATE: tl.constexpr = True):
     """One input piece of one matrix (`rotated_pieces`: s rotated in, times the piece at n0 and, where `second`,
@@ -117,17 +109,16 @@ def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, 
 
 
 @triton.jit
-def _output_pieces(size_n, PAIR: tl.constexpr):
-    """(first output column, whether a second 128-wide piece follows) of this program: with PAIR a program takes
-    pieces 2i and 2i + 1 (the second where the output has it), else piece i (`_pieces_grid` sizes the grid)."""
-    n0 = tl.program_id(1) * (256 if PAIR else 128)
-    return n0, PAIR and (n0 + 128 < size_n)
+def _output_pieces(size_n):
+    """(first output column, whether a second 128-wide piece follows) of this program: program i takes pieces 2i
+    and 2i + 1, the second where the output has it (`_pieces_grid` sizes the grid)."""
+    n0 = tl.program_id(1) * 256
+    return n0, n0 + 128 < size_n
 
 
-def _pieces_grid(size_n: int, block_m: int) -> tuple[bool, int]:
-    """(PAIR, programs along the output) for a launch: decode blocks (16 rows) take two output pieces a program."""
-    pair = block_m == DECODE_BLOCK_M
-    return pair, triton.cdiv(size_n, (1 + pair) * PIECE)
+def _pieces_grid(size_n: int) -> int:
+    """Programs along the output: two 128-wide output pieces a program, sharing their input."""
+    return triton.cdiv(size_n, 2 * PIECE)
 
 
 @triton.jit
@@ -138,19 +129,19 @@ def moe_gate_up_kernel(
     size_k, size_n, steps, partial_ptr, suh_down_ptr, keep_ptr, swiglu_limit,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K_GATE: tl.constexpr, TWICE_K_UP: tl.constexpr, CODEBOOK_GATE: tl.constexpr, CODEBOOK_UP: tl.constexpr,
-    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr, PAIR: tl.constexpr,
-    FILL: tl.constexpr, FINISH: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
+    DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr, FILL: tl.constexpr, FINISH: tl.constexpr,
+    CLAMP: tl.constexpr, CROP: tl.constexpr,
 ):
-    """partial[part, 0|1, slot, n0:+128·(1+PAIR)] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's
-    input pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here
-    rather than once per K step of the down kernel. With PAIR (decode), two 128-wide output pieces per program
-    share each step's input and its two rotations, as in the down kernel. With FINISH (one part) the program
-    stores down's rotated input for its pieces instead (`_store_activation`), once rather than once per down
+    """partial[part, 0|1, slot, n0:+256] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's input
+    pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here rather
+    than once per K step of the down kernel. Two 128-wide output pieces per program share each step's input and
+    its two rotations, as in the down kernel. With FINISH (one part) the program
+    stores down's rotated input for its pieces instead (`store_activation`), once rather than once per down
     program."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0, second = _output_pieces(size_n, PAIR)
+        n0, second = _output_pieces(size_n)
         part = tl.program_id(2)
         tokens = rows // TOP_K
         signs = hadamard_signs(HALF)
@@ -159,8 +150,9 @@ def moe_gate_up_kernel(
         acc_up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_gate_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_up_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-        gate = _matrix(gate_trellis, gate_twice_k, gate_codebook, gate_fill, matrix, TWICE_K_GATE, CODEBOOK_GATE, FILL)
-        up = _matrix(up_trellis, up_twice_k, up_codebook, up_fill, matrix, TWICE_K_UP, CODEBOOK_UP, FILL)
+        gate = matrix_facts(gate_trellis, gate_twice_k, gate_codebook, gate_fill, matrix, TWICE_K_GATE,
+                            CODEBOOK_GATE, FILL)
+        up = matrix_facts(up_trellis, up_twice_k, up_codebook, up_fill, matrix, TWICE_K_UP, CODEBOOK_UP, FILL)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
             k0 = step * 128
@@ -178,67 +170,21 @@ def moe_gate_up_kernel(
         svh_gate = svh_gate_ptr + matrix * size_n
         svh_up = svh_up_ptr + matrix * size_n
         if FINISH:  # one part: this piece of down's input, finished here
-            act_rows = _activation_rows(partial_ptr, rows, size_n, DOT_FP16)
+            act_rows = activation_rows(partial_ptr, rows, size_n, DOT_FP16)
             suh_down = suh_down_ptr + matrix * size_n
-            _store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
+            store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
                               swiglu_limit, DOT_FP16, CLAMP, CROP)
             if second:
-                _store_activation(act_rows, row_ok, n0 + 128, acc_gate_second, acc_up_second, signs, svh_gate,
+                store_activation(act_rows, row_ok, n0 + 128, acc_gate_second, acc_up_second, signs, svh_gate,
                                   svh_up, suh_down, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
         else:
             gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
             up_rows = gate_rows + num_slots * size_n
-            _store_rotated(gate_rows, row_ok, n0, acc_gate, signs, svh_gate, DOT_FP16)
-            _store_rotated(up_rows, row_ok, n0, acc_up, signs, svh_up, DOT_FP16)
+            store_rotated(gate_rows, row_ok, n0, acc_gate, signs, svh_gate, DOT_FP16)
+            store_rotated(up_rows, row_ok, n0, acc_up, signs, svh_up, DOT_FP16)
             if second:
-                _store_rotated(gate_rows, row_ok, n0 + 128, acc_gate_second, signs, svh_gate, DOT_FP16)
-                _store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up, DOT_FP16)
-
-
-@triton.jit
-def _activation_rows(partial_ptr, rows, width, DOT_FP16: tl.constexpr):
-    """(M, 1) pointers to the rows of the down kernel's finished input, at the start of the partial workspace: fp16
-    for half-precision models (the down product rounds its input to fp16 anyway), fp32 otherwise."""
-    if DOT_FP16:
-        base = partial_ptr.to(tl.pointer_type(tl.float16))
-    else:
-        base = partial_ptr
-    return base + rows[:, None] * width
-
-
-@triton.jit
-def _store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
-                      swiglu_limit, DOT_FP16: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr):
-    """Columns n0..n0+127 of down's input, rotated: had(act(had(gate) ⊙ svh, had(up) ⊙ svh) ⊙ suh(down)), cropped
-    to this rank's channels where CROP. A piece is a whole Hadamard block, so it rotates alone."""
-    offs = n0 + tl.arange(0, 128)
-    gate = rotate(acc_gate, signs, DOT_FP16) * tl.load(svh_gate + offs).to(tl.float32)[None, :]
-    up = rotate(acc_up, signs, DOT_FP16) * tl.load(svh_up + offs).to(tl.float32)[None, :]
-    scale = tl.load(suh_down + offs).to(tl.float32)
-    if CROP:
-        scale = scale * tl.load(keep_ptr + offs)
-    x = rotate(_activation(gate, up, swiglu_limit, CLAMP) * scale[None, :], signs, DOT_FP16)
-    tl.store(act_rows + offs[None, :], x.to(act_rows.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _store_rotated(out_rows, row_ok, n0, acc, signs, svh_row, DOT_FP16: tl.constexpr, route=None):
-    """Columns n0..n0+127 of the rows at out_rows ((M, 1) pointers): had(acc) ⊙ svh, times the router weights
-    `route` (M,) where given."""
-    offs = n0 + tl.arange(0, 128)
-    y = rotate(acc, signs, DOT_FP16) * tl.load(svh_row + offs).to(tl.float32)[None, :]
-    if route is not None:
-        y = y * route.to(tl.float32)[:, None]
-    tl.store(out_rows + offs[None, :], y, mask=row_ok[:, None])
-
-
-@triton.jit
-def _activation(gate, up, swiglu_limit, CLAMP: tl.constexpr):
-    """SiLU(gate) · up with vLLM's optional clamp (gate from above, up both ways)."""
-    if CLAMP:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    return gate * tl.sigmoid(gate) * up
+                store_rotated(gate_rows, row_ok, n0 + 128, acc_gate_second, signs, svh_gate, DOT_FP16)
+                store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up, DOT_FP16)
 
 
 @triton.jit
@@ -248,24 +194,22 @@ def moe_down_kernel(
     swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
-    CLAMP: tl.constexpr, CROP: tl.constexpr, PAIR: tl.constexpr,
-    FILL: tl.constexpr, FINISHED: tl.constexpr,
+    CLAMP: tl.constexpr, CROP: tl.constexpr, FILL: tl.constexpr, FINISHED: tl.constexpr,
 ):
-    """out[part, slot, n0:+128·(1+PAIR)] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's
-    pieces, gate and up the sums of the gate/up kernel's parts (already rotated back); with FINISHED the gate/up
-    kernel left act(gate, up) ⊙ suh already rotated, and the K loop only decodes and multiplies. With PAIR
-    (decode), two 128-wide output pieces per program (the second where the output has it) share each step's input;
-    64-row prefill blocks take one (a second (64, 128) accumulator would spill)."""
+    """out[part, slot, n0:+256] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces,
+    gate and up the sums of the gate/up kernel's parts (already rotated back); with FINISHED the gate/up kernel left
+    act(gate, up) ⊙ suh already rotated, and the K loop only decodes and multiplies. Two 128-wide output pieces per
+    program (the second where the output has it) share each step's input."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
-        n0, second = _output_pieces(size_n, PAIR)
+        n0, second = _output_pieces(size_n)
         part = tl.program_id(2)
         signs = hadamard_signs(HALF)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-        down = _matrix(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
-        act_rows = _activation_rows(partial_ptr, rows, size_k, DOT_FP16)
+        down = matrix_facts(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
+        act_rows = activation_rows(partial_ptr, rows, size_k, DOT_FP16)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
             k0 = step * 128
@@ -291,8 +235,8 @@ def moe_down_kernel(
                     keep_lo, keep_hi = load_vector_halves(keep_ptr, k0)
                     suh_lo = suh_lo * keep_lo
                     suh_hi = suh_hi * keep_hi
-                act_lo = _activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
-                act_hi = _activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
+                act_lo = activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
+                act_hi = activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
                 acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
                                         DOT_FP16, FILL)
         signs = hadamard_signs(128)
@@ -301,9 +245,9 @@ def moe_down_kernel(
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
         out_rows = out_ptr + (part * num_slots + rows[:, None]) * size_n
-        _store_rotated(out_rows, row_ok, n0, acc, signs, svh_down_ptr + matrix * size_n, DOT_FP16, route)
+        store_rotated(out_rows, row_ok, n0, acc, signs, svh_down_ptr + matrix * size_n, DOT_FP16, route)
         if second:
-            _store_rotated(out_rows, row_ok, n0 + 128, acc_second, signs, svh_down_ptr + matrix * size_n, DOT_FP16,
+            store_rotated(out_rows, row_ok, n0 + 128, acc_second, signs, svh_down_ptr + matrix * size_n, DOT_FP16,
                            route)
 
 
@@ -321,54 +265,45 @@ def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, 
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _activation_args(keep: torch.Tensor | None, swiglu_limit: float | None,
-                     partial: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, bool]]:
-    """(keep pointer, clamp limit, constexprs) of the activation, which the gate/up kernel applies with one part and
-    the down kernel otherwise: without a crop the kernels compile none and get an unread tensor for `keep`."""
-    crop = keep is not None
-    return (keep if crop else partial, 0.0 if swiglu_limit is None else swiglu_limit,
-            dict(CLAMP=swiglu_limit is not None, CROP=crop))
-
-
 def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
                     gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
-                    keep, suh_down, swiglu_limit, twice_k_gate, twice_k_up, codebook_gate, codebook_up, block_m, dedup,
+                    keep, suh_down, swiglu_limit, twice_k_gate, twice_k_up, codebook_gate, codebook_up, dedup,
                     route_on_input, dot_fp16):
     parts, _, num_slots, size_n = partial.shape
     size_k = suh_gate.shape[1]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = gate_fill is not None
-    keep_ptr, limit, activation = _activation_args(keep, swiglu_limit, partial)
-    pair, pieces = _pieces_grid(size_n, block_m)
+    keep_ptr, limit, activation = activation_args(keep, swiglu_limit, partial)
+    pieces = _pieces_grid(size_n)
     moe_gate_up_kernel[(blocks, pieces, parts)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
         size_k, size_n, size_k // PIECE, partial, suh_down, keep_ptr, limit,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
-        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, PAIR=pair,
-        FILL=fill, FINISH=parts == 1, **activation, num_warps=MATMUL_WARPS,
+        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, FILL=fill, FINISH=parts == 1, **activation,
+        num_warps=MATMUL_WARPS,
     )
 
 
 def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh_down,
-                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, block_m,
-                 dedup, route_on_input, dot_fp16):
+                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, dedup,
+                 route_on_input, dot_fp16):
     parts, num_slots, size_n = out.shape
     size_k = partial.shape[3]
     blocks = num_slots if dedup else block_matrix.shape[0]
     fill = down_fill is not None
-    keep_ptr, limit, activation = _activation_args(keep, swiglu_limit, partial)
-    pair, pieces = _pieces_grid(size_n, block_m)
+    keep_ptr, limit, activation = activation_args(keep, swiglu_limit, partial)
+    pieces = _pieces_grid(size_n)
     moe_down_kernel[(blocks, pieces, parts)](
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, keep_ptr, suh_down, svh_down, limit, down_trellis, down_twice_k,
         down_codebook, down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=block_m, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        PAIR=pair, FILL=fill, FINISHED=partial.shape[0] == 1, **activation, num_warps=MATMUL_WARPS,
+        FILL=fill, FINISHED=partial.shape[0] == 1, **activation, num_warps=MATMUL_WARPS,
     )
 
 
@@ -380,7 +315,7 @@ def _launch_sum(y, out, top_k):
 
 
 _ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix"
-_FLAGS = "int block_m, bool dedup, bool route_on_input, bool dot_fp16"
+_FLAGS = "bool dedup, bool route_on_input, bool dot_fp16"
 _gate_up = register_launch(
     "moe_gate_up_triton",
     f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, "
@@ -406,9 +341,12 @@ class FusedTritonMoE:
     def __init__(self, experts: list[PlacedExpert], tables: PointerTables, scales: ScaleStacks,
                  arena: HostArena | None, crop: ExpertCrop, dtype: torch.dtype, device: torch.device,
                  swiglu_limit: float | None = None, top_k: int = 1, capture_rows: tuple[int, ...] = (),
-                 split: tuple[int, int] | None = None, cache: ExpertSlots | None = None) -> None:
+                 split: tuple[int, int] | None = None, cache: ExpertSlots | None = None,
+                 dequant_min_rows: int = DEQUANT_MIN_ROWS, dequant_workspace_bytes: int = DEQUANT_WORKSPACE_BYTES,
+                 ) -> None:
         """`cache`: the GPU tier as an expert cache (kernels/expert_slots.py): each forward takes its step's fill
-        tables, writes the filled experts through as the kernels read them, and switches the tables after."""
+        tables, writes the filled experts through as the kernels read them, and switches the tables after.
+        `dequant_*`: triton_prefill's threshold and workspace (tests make both small)."""
         # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).
         self.experts = list(experts)
         self.arena = arena
@@ -441,6 +379,8 @@ class FusedTritonMoE:
         slots = max(max(capture_rows, default=0) * top_k, decode_slots)
         WORKSPACES.reserve(device, "moe_partial", max(split[0] * decode_slots, slots) * 2 * intermediate)
         WORKSPACES.reserve(device, "moe_out", max(split[1] * decode_slots, slots) * hidden_out)
+        self.prefill = DequantizedPrefill(self.tables, scales, dtype, device, self.keep_channels, swiglu_limit,
+                                          dequant_min_rows, dequant_workspace_bytes)
 
     def write_through(self, fill: dict[str, torch.Tensor] | None) -> None:
         """From the next forward on, copy every trellis word read of expert e's projection p to the address
@@ -460,15 +400,17 @@ class FusedTritonMoE:
         slots = tokens * top_k
         if x.stride(1) != 1:
             x = x.contiguous()
-        if tokens <= DECODE_MAX_TOKENS:
-            dedup, block_m, (gate_parts, down_parts) = True, DECODE_BLOCK_M, self.split
-            row_ids = block_matrix = self.no_blocks
-        elif tokens <= DEDUP_MAX_TOKENS:
-            dedup, block_m, gate_parts, down_parts = True, PREFILL_BLOCK_M, 1, 1
+        gate_parts, down_parts = self.split if tokens <= DECODE_MAX_TOKENS else (1, 1)
+        dedup = tokens <= DEDUP_MAX_TOKENS
+        dense = not dedup and tokens >= self.prefill.min_rows  # an expert may have enough slots to be dequantized
+        counts = None
+        if dedup:
             row_ids = block_matrix = self.no_blocks
         else:
-            dedup, block_m, gate_parts, down_parts = False, PREFILL_BLOCK_M, 1, 1
-            row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, block_m)
+            counts = slot_counts(topk_ids.reshape(-1), self.num_experts)
+            row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, BLOCK_M, counts)
+            if dense:  # the fused kernels take the other experts' blocks
+                block_matrix = blocks_where(block_matrix, counts, self.prefill.min_rows, at_least=False)
         gate, up, down = (self.tables[p] for p in PROJECTIONS)
         # The cache decides first; the launches read through the old tables and write its fills.
         fill = self.cache.begin(topk_ids) if self.cache is not None else (self.fill or {})
@@ -476,7 +418,7 @@ class FusedTritonMoE:
         y = WORKSPACES.take(self.device, "moe_out", (down_parts, slots, down.out_features))
         out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
         routing = (topk_weights, topk_ids, row_ids, block_matrix)
-        flags = (block_m, dedup, apply_router_weight_on_input, self.dot_fp16)
+        flags = (dedup, apply_router_weight_on_input, self.dot_fp16)
         _gate_up(x, *routing, self.scales[("gate", "suh")], self.scales[("up", "suh")],
                  self.scales[("gate", "svh")], self.scales[("up", "svh")],
                  gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
@@ -487,15 +429,19 @@ class FusedTritonMoE:
               self.scales[("down", "suh")], self.scales[("down", "svh")],
               down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
               self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
+        if dense:
+            self.prefill.forward(x, topk_weights, topk_ids, counts, partial, y, fill, apply_router_weight_on_input)
         if self.cache is not None:
             self.cache.finish()  # every trellis read of this forward is queued: the tables switch now
         _sum(y, out, top_k)
         return out
 
 
-def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None) -> FusedTritonMoE:
+def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None, **prefill: int) -> FusedTritonMoE:
+    """`prefill`: FusedTritonMoE's dequant_min_rows / dequant_workspace_bytes where not the defaults (tests)."""
     return FusedTritonMoE(layer.experts, layer.tables, layer.scales, layer.arena, layer.crop, layer.dtype,
-                          layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split, layer.cache)
+                          layer.device, layer.swiglu_limit, layer.top_k, layer.capture_rows, split, layer.cache,
+                          **prefill)
 
 
 _TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
@@ -504,8 +450,9 @@ _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
-    dtype at decode (1 token: one program per slot, BLOCK_M 16) and at prefill (64-row blocks) for fp16. (The sum
-    kernel reads no trellis: nothing in it for the report to measure.)"""
+    dtype at decode (1 token: one program per slot, the input split) and, for fp16, as a prefill's experts with few
+    slots run them (rows sorted by expert, one part: gate/up finishes down's input). (The sum kernel reads no
+    trellis: nothing in it for the report to measure; triton_prefill.py lists the dense experts' kernels.)"""
     codebook = _CODEBOOK_IDS[shape.codebook]
     twice_k = int(2 * shape.k_bits)
     routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
@@ -513,12 +460,12 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     table = {"trellis": "*i64", "twice_k": "*i32", "codebook": "*i32", "fill": "*i64"}
     kernels = []
     for dtype, pointer in _TRITON_DTYPES.items():
-        for mode, dedup, block_m in (("decode", True, DECODE_BLOCK_M), ("prefill", False, PREFILL_BLOCK_M)):
+        for mode, dedup in (("decode", True), ("prefill", False)):
             if mode == "prefill" and dtype != "fp16":
                 continue
-            flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=block_m,
+            flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=BLOCK_M,
                          SLOTS_P2=triton.next_power_of_2(shape.top_k) if dedup else 1, DOT_FP16=dtype != "fp32",
-                         ROUTE_ON_INPUT=False, FILL=False)
+                         ROUTE_ON_INPUT=False, FILL=False, CLAMP=False, CROP=False)
             gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
                        "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16",
                        **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
@@ -527,18 +474,14 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             kernels.append(StaticKernel(
                 f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
                 {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
-                 "CODEBOOK_UP": codebook, "PAIR": mode == "decode", "FINISH": mode == "prefill", "CLAMP": False,
-                 "CROP": False}, MATMUL_WARPS, 3,
-                2 * (1 + (mode == "decode")) * PIECE * PIECE, dtype=dtype,
-                trellis_arg="gate_trellis"))
+                 "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS, 3, 2 * 2 * PIECE * PIECE,
+                dtype=dtype, trellis_arg="gate_trellis"))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
                     "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16", "swiglu_limit": "fp32",
                     **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32",
                     "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
                 f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
-                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "CLAMP": False, "CROP": False,
-                 "PAIR": mode == "decode", "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3,
-                (1 + (mode == "decode")) * PIECE * PIECE,
-                dtype=dtype, trellis_arg="down_trellis"))
+                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3,
+                2 * PIECE * PIECE, dtype=dtype, trellis_arg="down_trellis"))
     return kernels

@@ -98,6 +98,10 @@ def _sass(cubin: bytes) -> str:
 def analyse(kernel: StaticKernel, capability: int) -> dict:
     """One kernel's static facts on one target (the report's per-kernel entry)."""
     compiled = compile_kernel(kernel, capability)
+    usage = {**ptxas_usage(compiled), "shared_bytes": compiled.shared_bytes, "num_warps": kernel.num_warps,
+             "dtype": kernel.dtype}
+    if kernel.trellis_arg is None:
+        return {**usage, "trellis_load_bits": None, "ptx_per_weight": None, "sass_per_weight": None}
     loads = ptx_analysis.trellis_loads(compiled.ptx, _param_index(kernel), kernel.trellis_indirection)
     if not loads:
         raise ValueError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
@@ -106,13 +110,10 @@ def analyse(kernel: StaticKernel, capability: int) -> dict:
     sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin),
                                                            ptx_analysis.source_lines(compiled.ptx, loads))
     return {
-        **ptxas_usage(compiled),
-        "shared_bytes": compiled.shared_bytes,
+        **usage,
         "trellis_load_bits": min(ptx_analysis.load_bits(ld) for ld in loads),
         "ptx_per_weight": round(ptx_analysis.decode_loop_ptx_instructions(compiled.ptx, loads) / weights_per_thread, 2),
         "sass_per_weight": None if sass_loop is None else round(sass_loop / weights_per_thread, 2),
-        "num_warps": kernel.num_warps,
-        "dtype": kernel.dtype,
     }
 
 

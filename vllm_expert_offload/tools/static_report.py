@@ -72,9 +72,11 @@ def summary_lines(report: dict) -> list[str]:
     for target, entry in report["targets"].items():
         lines.append(f"{target}:")
         for name, f in entry["kernels"].items():
+            reads = "reads no trellis" if f["trellis_load_bits"] is None else (
+                f"trellis loads {f['trellis_load_bits']}-bit, {f['ptx_per_weight']} PTX / {f['sass_per_weight']} SASS "
+                "instructions per weight")
             lines.append(f"  {name}: {f['registers']} regs, {f['spills']} B spilled, {f['shared_bytes']} B shared, "
-                         f"trellis loads {f['trellis_load_bits']}-bit, {f['ptx_per_weight']} PTX / "
-                         f"{f['sass_per_weight']} SASS instructions per weight")
+                         + reads)
     lines.append("launches: " + ", ".join(f"{k} {v}" for k, v in report["launches"].items()))
     for target, per_model in report["estimates"].items():
         for model, e in per_model.items():

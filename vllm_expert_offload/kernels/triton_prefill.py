@@ -1,0 +1,297 @@
+"""Prefill for the experts many slots chose: each decoded once into a workspace, then a grouped GEMM over 32-row
+blocks, as exllamav3 switches to dequantize-and-GEMM above 144 rows.
+
+The fused kernels (triton_moe.py) decode a piece of W_hat once per 16-row block: cheapest while an expert has few
+slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead decoded once per forward here:
+1. `dequantize_kernel`: per (expert, 128-wide output piece) program, its column of pieces decoded
+   (`triton_decode.decode_block`) and stored in the model's precision (fp16 for half-precision models), so the
+   GEMMs read plain weights. Gate's and up's input side is folded in, W' = diag(suh) · H · W_hat (one 128-deep
+   product per weight with the exact ±1 signs, `fold_rows`): their input differs per expert, and rotating it per
+   slot would copy the input top-k times. Down is stored as decoded: its input is finished (rotated) by the
+   gate/up GEMM's epilogue, as in the fused path.
+2. `grouped_gate_up_kernel`: 32 slots of one expert times W'(gate) and W'(up), K in steps of `BLOCK_K`; the
+   epilogue (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input
+   exactly where the fused gate/up kernel stores it.
+3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
+   weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
+The workspace holds `chunk` experts (sized at load from `DEQUANT_WORKSPACE_BYTES`, reserved when the layer is built
+so vLLM's memory profile sees it); the three steps run once per chunk of consecutive expert ids, a count fixed by
+the layer. Which experts qualify is read on the device (`expert_blocks.slot_counts`): no host synchronisation.
+With a fill table (the expert cache) the dequantize kernel writes each dense expert's trellis through as it
+reads it; the fused kernels write the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .expert_blocks import blocks_where, grouped_blocks
+from .launch_ops import register_launch
+from .matrix_table import MatrixTable
+from .pointer_tables import ScaleStacks
+from .static_spec import LayerShape, StaticKernel
+from .triton_decode import COMPILED, decode_block
+from .triton_fused import HALF, MATMUL_WARPS, PIECE, WORKSPACES, hadamard_signs, product, write_through
+from .triton_moe_steps import activation_args, activation_rows, matrix_facts, store_activation, store_rotated
+
+DEQUANT_MIN_ROWS = 144  # slots of one expert from which it is decoded once (exllamav3's dequantize threshold)
+DEQUANT_WORKSPACE_BYTES = 512 << 20  # the decoded experts' workspace, shared by every layer of a device
+GEMM_BLOCK_M = 32  # at 64 rows the epilogue rotations spill 24-292 B (sm_90, sm_120); at 32 none
+GEMM_BLOCK_K = 32
+_RSQRT_128: tl.constexpr = tl.constexpr(128**-0.5)
+_PIECE: tl.constexpr = tl.constexpr(PIECE)
+
+
+@triton.jit
+def fold_rows(lo, hi):
+    """H @ [lo; hi] / √128 for the two (64, 128) fp16 halves of a decoded 128 x 128 piece, in fp32: H's left and
+    right column halves (`hadamard_signs` with COLS) times each half, exact ±1 products with fp32 accumulation (fp16
+    tensor cores on a GPU; fp32 in the interpreter, whose tl.dot reads bf16 as integers)."""
+    left = hadamard_signs(_PIECE, HALF, 0)
+    right = hadamard_signs(_PIECE, HALF, HALF)
+    if COMPILED:
+        acc = tl.dot(left.to(tl.float16), lo)
+        acc = tl.dot(right.to(tl.float16), hi, acc)
+    else:
+        acc = tl.dot(left.to(tl.float32), lo.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(right.to(tl.float32), hi.to(tl.float32), acc, input_precision="ieee")
+    return acc * _RSQRT_128
+
+
+@triton.jit
+def dequantize_kernel(
+    trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, suh_ptr,
+    size_k, size_n, out_ptr, matrix_stride,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, FILL: tl.constexpr,
+):
+    """out[slot, :, n0:+128] for matrix `first` + slot (program (slot, n0 / 128)), where that matrix has at least
+    `min_rows` rows: W_hat's column of pieces, with FOLD diag(suh) · H · W_hat (see the module docstring)."""
+    slot = tl.program_id(0)
+    matrix = first + slot
+    if matrix < num_matrices:
+        if tl.load(counts_ptr + matrix) >= min_rows:
+            trellis, twice_k, codebook, fill = matrix_facts(trellis_table, twice_k_table, codebook_table, fill_table,
+                                                            matrix, TWICE_K, CODEBOOK, FILL)
+            n0 = tl.program_id(1) * _PIECE
+            cols = n0 + tl.arange(0, _PIECE)[None, :]
+            dst = out_ptr + slot.to(tl.int64) * matrix_stride
+            for k0 in range(0, size_k, _PIECE):
+                if FILL:
+                    if fill != 0:
+                        write_through(trellis, fill, k0, n0, size_n, twice_k)
+                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE)
+                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE)
+                if FOLD:
+                    rows = k0 + tl.arange(0, _PIECE)
+                    w = fold_rows(lo, hi) * tl.load(suh_ptr + matrix * size_k + rows).to(tl.float32)[:, None]
+                    tl.store(dst + rows[:, None] * size_n + cols, w.to(dst.dtype.element_ty))
+                else:
+                    rows = k0 + tl.arange(0, HALF)[:, None]
+                    tl.store(dst + rows * size_n + cols, lo.to(dst.dtype.element_ty))
+                    tl.store(dst + (rows + HALF) * size_n + cols, hi.to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M: tl.constexpr):
+    """(matrix, or -1 where this program's block is not one of this chunk's, its rows, which rows are real)."""
+    block = tl.program_id(0)
+    matrix = tl.load(block_matrix_ptr + block)
+    mine = (matrix >= first) & (matrix < first + chunk)
+    rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.where(mine, matrix, -1), rows, rows >= 0
+
+
+@triton.jit
+def grouped_gate_up_kernel(
+    x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
+    matrix_stride, size_k, size_n, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr, swiglu_limit, partial_ptr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP16: tl.constexpr,
+    ROUTE_ON_INPUT: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
+):
+    """Down's finished input for this block's slots and the 128 intermediate channels n0.. (program (block,
+    n0 / 128)): x @ W'(gate) and x @ W'(up) from the workspace, finished by `store_activation`."""
+    matrix, rows, row_ok = _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M)
+    if matrix >= 0:
+        n0 = tl.program_id(1) * _PIECE
+        cols = n0 + tl.arange(0, _PIECE)[None, :]
+        tokens = tl.where(row_ok, rows // TOP_K, 0)
+        gate_w = w_ptr + (matrix - first).to(tl.int64) * matrix_stride
+        up_w = gate_w + size_k * size_n
+        route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
+        acc_gate = tl.zeros((BLOCK_M, _PIECE), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, _PIECE), dtype=tl.float32)
+        for k0 in range(0, size_k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :],
+                        mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0).to(tl.float32)
+            if ROUTE_ON_INPUT:
+                a = a * route.to(tl.float32)[:, None]
+            acc_gate = product(acc_gate, a, tl.load(gate_w + ks[:, None] * size_n + cols), DOT_FP16)
+            acc_up = product(acc_up, a, tl.load(up_w + ks[:, None] * size_n + cols), DOT_FP16)
+        store_activation(activation_rows(partial_ptr, rows, size_n, DOT_FP16), row_ok, n0, acc_gate, acc_up,
+                         hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n, svh_up_ptr + matrix * size_n,
+                         suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
+
+
+@triton.jit
+def grouped_down_kernel(
+    partial_ptr, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
+    matrix_stride, size_k, size_n, svh_down_ptr, out_ptr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP16: tl.constexpr,
+    ROUTE_ON_INPUT: tl.constexpr,
+):
+    """out[slot, n0:+128] for this block's slots (program (block, n0 / 128)): down's finished input times
+    W_hat(down) from the workspace, rotated back ⊙ svh and times the router weight by `store_rotated`."""
+    matrix, rows, row_ok = _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M)
+    if matrix >= 0:
+        n0 = tl.program_id(1) * _PIECE
+        cols = n0 + tl.arange(0, _PIECE)[None, :]
+        down_w = w_ptr + (matrix - first).to(tl.int64) * matrix_stride
+        act_rows = activation_rows(partial_ptr, rows, size_k, DOT_FP16)
+        acc = tl.zeros((BLOCK_M, _PIECE), dtype=tl.float32)
+        for k0 in range(0, size_k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            acc = product(acc, a, tl.load(down_w + ks[:, None] * size_n + cols), DOT_FP16)
+        route = None  # applied on the input
+        if not ROUTE_ON_INPUT:
+            route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
+                            other=0.0)
+        store_rotated(out_ptr + rows[:, None] * size_n, row_ok, n0, acc, hadamard_signs(_PIECE),
+                      svh_down_ptr + matrix * size_n, DOT_FP16, route)
+
+
+def _launch_dequantize(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, suh, out, offset,
+                       matrix_stride, size_k, size_n, uniform_twice_k, uniform_codebook):
+    with_fill = fill is not None
+    dequantize_kernel[(chunk, size_n // PIECE)](
+        trellis, twice_k, codebook, fill if with_fill else trellis, counts, min_rows, first, trellis.shape[0],
+        suh if suh is not None else counts, size_k, size_n, out[offset:], matrix_stride,
+        TWICE_K=uniform_twice_k, CODEBOOK=uniform_codebook, FOLD=suh is not None, FILL=with_fill,
+        num_warps=MATMUL_WARPS,
+    )
+
+
+def _launch_gate_up(x, route, row_ids, block_matrix, first, chunk, w, matrix_stride, size_k, svh_gate, svh_up,
+                    suh_down, keep, swiglu_limit, partial, route_on_input, dot_fp16):
+    size_n = svh_gate.shape[1]
+    keep_ptr, limit, flags = activation_args(keep, swiglu_limit, partial)
+    grouped_gate_up_kernel[(block_matrix.shape[0], size_n // PIECE)](
+        x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), row_ids, block_matrix, first, chunk, w,
+        matrix_stride, size_k, size_n, svh_gate, svh_up, suh_down, keep_ptr, limit, partial,
+        TOP_K=route.shape[1], BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=dot_fp16,
+        ROUTE_ON_INPUT=route_on_input, **flags, num_warps=MATMUL_WARPS,
+    )
+
+
+def _launch_down(partial, route, row_ids, block_matrix, first, chunk, w, matrix_stride, svh_down, out,
+                 route_on_input, dot_fp16):
+    size_k, size_n = partial.shape[-1], out.shape[-1]
+    grouped_down_kernel[(block_matrix.shape[0], size_n // PIECE)](
+        partial, route, route.stride(0), route.stride(1), row_ids, block_matrix, first, chunk, w, matrix_stride,
+        size_k, size_n, svh_down, out,
+        TOP_K=route.shape[1], BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=dot_fp16,
+        ROUTE_ON_INPUT=route_on_input, num_warps=MATMUL_WARPS,
+    )
+
+
+_BLOCKS = "Tensor row_ids, Tensor block_matrix, int first, int chunk, Tensor w, int matrix_stride"
+_dequantize = register_launch(
+    "moe_dequantize_triton",
+    "Tensor trellis, Tensor twice_k, Tensor codebook, Tensor? fill, Tensor counts, int min_rows, int first, "
+    "int chunk, Tensor? suh, Tensor(a!) out, int offset, int matrix_stride, int size_k, int size_n, "
+    "int uniform_twice_k, int uniform_codebook",
+    _launch_dequantize,
+)
+_gate_up = register_launch(
+    "moe_grouped_gate_up_triton",
+    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor svh_gate, Tensor svh_up, Tensor suh_down, Tensor? keep, "
+    "float? swiglu_limit, Tensor(a!) partial, bool route_on_input, bool dot_fp16",
+    _launch_gate_up,
+)
+_down = register_launch(
+    "moe_grouped_down_triton",
+    f"Tensor partial, Tensor route, {_BLOCKS}, Tensor svh_down, Tensor(a!) out, bool route_on_input, "
+    "bool dot_fp16",
+    _launch_down,
+)
+
+
+class DequantizedPrefill:
+    """The dense experts of a prefill batch (at least `min_rows` slots each) through the three steps of the
+    module docstring, chunk by chunk; built with its MoE layer (kernels/triton_moe.py), which calls `forward`
+    only for batches of at least `min_rows` tokens (no expert can reach it below)."""
+
+    def __init__(self, tables: dict[str, MatrixTable], scales: ScaleStacks, dtype: torch.dtype,
+                 device: torch.device, keep_channels: torch.Tensor | None, swiglu_limit: float | None,
+                 min_rows: int = DEQUANT_MIN_ROWS, workspace_bytes: int = DEQUANT_WORKSPACE_BYTES) -> None:
+        self.tables = tables
+        self.scales = scales
+        self.keep_channels = keep_channels
+        self.swiglu_limit = swiglu_limit
+        self.min_rows = min_rows
+        self.device = device
+        self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
+        self.weight_dtype = torch.float16 if self.dot_fp16 else torch.float32
+        gate, down = tables["gate"], tables["down"]
+        self.num_experts = gate.trellis.shape[0]
+        self.gate_numel = gate.in_features * gate.out_features
+        self.matrix_stride = 2 * self.gate_numel + down.in_features * down.out_features  # one expert's slot
+        expert_bytes = self.matrix_stride * self.weight_dtype.itemsize
+        self.chunk = max(1, min(self.num_experts, workspace_bytes // expert_bytes))
+        WORKSPACES.reserve(device, "moe_dequantized", -(-self.chunk * expert_bytes // 4))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, counts: torch.Tensor,
+                partial: torch.Tensor, y: torch.Tensor, fill: dict[str, torch.Tensor], route_on_input: bool) -> None:
+        """Down's finished input (in `partial`, as the fused gate/up kernel stores it) and the per-slot outputs
+        (`y`, (1, slots, hidden)) of every slot whose expert has at least `min_rows` slots (`counts`)."""
+        row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, GEMM_BLOCK_M, counts)
+        block_matrix = blocks_where(block_matrix, counts, self.min_rows, at_least=True)
+        floats = -(-self.chunk * self.matrix_stride * self.weight_dtype.itemsize // 4)
+        w = WORKSPACES.take(self.device, "moe_dequantized", (floats,)).view(self.weight_dtype)
+        s = self.scales
+        offsets = {"gate": 0, "up": self.gate_numel, "down": 2 * self.gate_numel}
+        for first in range(0, self.num_experts, self.chunk):
+            for p, table in self.tables.items():
+                _dequantize(table.trellis, table.twice_k, table.codebook, fill.get(p), counts, self.min_rows, first,
+                            self.chunk, s[(p, "suh")] if p != "down" else None, w, offsets[p], self.matrix_stride,
+                            table.in_features, table.out_features, table.uniform_twice_k, table.uniform_codebook)
+            blocks = (row_ids, block_matrix, first, self.chunk)
+            _gate_up(x, topk_weights, *blocks, w, self.matrix_stride, self.tables["gate"].in_features,
+                     s[("gate", "svh")], s[("up", "svh")], s[("down", "suh")], self.keep_channels, self.swiglu_limit,
+                     partial, route_on_input, self.dot_fp16)
+            _down(partial, topk_weights, *blocks, w[offsets["down"]:], self.matrix_stride, s[("down", "svh")], y,
+                  route_on_input, self.dot_fp16)
+
+
+def static_kernels(shape: LayerShape) -> list[StaticKernel]:
+    """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (whose decoded
+    weights are fp16): the dequantize kernel with gate's/up's fold and down's plain copy, and the two grouped
+    GEMMs, which read no trellis (the report gives their registers, spills and shared memory)."""
+    codebook = {"3inst": 0, "mcg": 1, "mul1": 2}[shape.codebook]
+    dequantize = {"trellis_table": "*i64", "twice_k_table": "*i32", "codebook_table": "*i32", "fill_table": "*i64",
+                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32", "suh_ptr": "*fp16",
+                  "size_k": "i32", "size_n": "i32", "out_ptr": "*fp16", "matrix_stride": "i32"}
+    blocks = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "row_ids_ptr": "*i32",
+              "block_matrix_ptr": "*i32", "first": "i32", "chunk": "i32", "w_ptr": "*fp16", "matrix_stride": "i32",
+              "size_k": "i32", "size_n": "i32"}
+    gate_up = {"x_ptr": "*fp16", "stride_xm": "i32", "hidden": "i32", **blocks, "svh_gate_ptr": "*fp16",
+               "svh_up_ptr": "*fp16", "suh_down_ptr": "*fp16", "keep_ptr": "*fp32", "swiglu_limit": "fp32",
+               "partial_ptr": "*fp32"}
+    down = {"partial_ptr": "*fp32", **blocks, "svh_down_ptr": "*fp16", "out_ptr": "*fp32"}
+    gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
+    kernels = [
+        StaticKernel(f"moe_dequantize[{shape.codebook},{label}]", dequantize_kernel, dequantize,
+                     dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, FILL=False), MATMUL_WARPS, 3,
+                     PIECE * PIECE, trellis_arg="trellis_table")
+        for label, fold in (("gate_up", True), ("down", False))
+    ]
+    for dtype in ("fp16", "bf16"):
+        kernels.append(StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel,
+                                    gate_up | {"x_ptr": f"*{dtype}"}, gemm | dict(CLAMP=False, CROP=False),
+                                    MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None))
+    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, down, gemm, MATMUL_WARPS, 3, 0,
+                                trellis_arg=None))
+    return kernels
