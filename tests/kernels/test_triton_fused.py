@@ -250,6 +250,16 @@ def test_dense_linear_launches(split: int, rows: int, launches: int) -> None:
     assert sum(counts.values()) == launches, counts
 
 
+def test_dense_linear_prefill_launches() -> None:
+    """Above the threshold: per chunk of a shard's columns one dequantize launch, then torch's matmul, rotation,
+    ⊙ svh and copy into the output, and the padding zeroed; the same whatever the row count."""
+    linear = _fused_linear(1, **LINEAR_DENSE)
+    x, more = torch.randn(70, 144), torch.randn(130, 144)
+    counts = count_launches(lambda: linear.forward(x))
+    assert counts == count_launches(lambda: linear.forward(more))
+    assert counts["triton::dequantize_kernel"] == 3 and "triton::linear_kernel" not in counts, counts  # q: 2, k: 1
+
+
 # --- dense linears --------------------------------------------------------------------------------------
 
 
@@ -261,25 +271,33 @@ def _shards() -> list[LinearShard]:
     return [LinearShard(q, 64, 160, 176, 96, 144), LinearShard(k, 0, 128, 128, 96, 144)]
 
 
-def _fused_linear(split: int, dtype: torch.dtype = torch.float32) -> FusedTritonLinear:
-    return FusedTritonLinear(_shards(), dtype, CPU, split=split)
+def _fused_linear(split: int, dtype: torch.dtype = torch.float32, **prefill: int) -> FusedTritonLinear:
+    return FusedTritonLinear(_shards(), dtype, CPU, split=split, **prefill)
+
+
+# From 50 rows on, decoded once per forward; q (256 x 256) in two chunks of 128 columns, k in one.
+LINEAR_DENSE = {"dequant_min_rows": 50, "dequant_workspace_bytes": 256 * 128 * 4}
 
 
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("rows", [1, 9, 33, 70])
-def test_fused_linear_matches_dequantized(split: int, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "prefill"), [(1, {}), (9, {}), (33, {}), (70, {}), (70, LINEAR_DENSE)])
+def test_fused_linear_matches_dequantized(split: int, rows: int, prefill: dict[str, int]) -> None:
+    """Decode (split or not), 16-row blocks up to the threshold, and above it each shard decoded once with its
+    rotations folded in (in chunks of columns) and multiplied by torch's matmul."""
     x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
-    got = _fused_linear(split).forward(x)
+    got = _fused_linear(split, **prefill).forward(x)
     assert got.shape == (rows, 304)
     assert_close_to_reference(got, DequantizedLinear(_shards(), torch.float32, CPU).forward(x))
     assert (got[:, 160:176] == 0).all()  # padding rows are zero (the method adds the bias)
 
 
-def test_fused_linear_half_precision() -> None:
-    x = torch.randn(3, 144)
+@pytest.mark.parametrize("rows", [3, 70])
+def test_fused_linear_half_precision(rows: int) -> None:
+    """At 70 rows the decoded weights are held in x's dtype (bf16's 8 bits included)."""
+    x = torch.randn(rows, 144)
     want = DequantizedLinear(_shards(), torch.float32, CPU).forward(x)
     for split in (1, 2):
-        kernel = _fused_linear(split, torch.float16)
+        kernel = _fused_linear(split, torch.float16, **LINEAR_DENSE)
         for dtype in (torch.float16, torch.bfloat16):
             got = kernel.forward(x.to(dtype))
             assert got.dtype == dtype
@@ -338,7 +356,7 @@ def test_write_through_only_where_the_fill_address_is_set() -> None:
 def _meta_fused(**prefill: int):
     moe = fused_moe(meta_moe_layer(expert_sets(0), FULL), (2, 2), **prefill)
     layer = parse_linear(make_layer(3, "mul1", 128, 128, seed=8), "o")
-    linear = FusedTritonLinear([LinearShard(layer, 0, 128, 128, 0, 128)], torch.float32, META, split=2)
+    linear = FusedTritonLinear([LinearShard(layer, 0, 128, 128, 0, 128)], torch.float32, META, split=2, **prefill)
     return moe, linear
 
 
@@ -371,7 +389,7 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatc
 def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int, prefill: dict[str, int]) -> None:
     _, fused, _ = placed_moe(FULL, lambda layer: fused_moe(layer, (2, 2), **prefill))
     x, weights, ids = routing(tokens, seed=tokens)
-    linear, rows = _fused_linear(2), torch.randn(tokens, 144)
+    linear, rows = _fused_linear(2, **prefill), torch.randn(tokens, 144)
     with NoHostSync():
         fused.forward(x, weights, ids, False)
         linear.forward(rows)

@@ -30,7 +30,7 @@ from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTabl
 from .rotated import MatmulBackend
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import decode_block, matrix_rate
-from . import triton_linear, triton_moe, triton_prefill
+from . import triton_dequantize, triton_linear, triton_moe, triton_prefill
 from .triton_linear import fused_linear
 from .triton_moe import fused_moe
 
@@ -136,7 +136,8 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
 def backend_static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What the backend launches (kernels/static_spec.py): the fused MoE and dense kernels; `static_kernels`
     above lists the matmul launcher the tests read W_hat through."""
-    return triton_moe.static_kernels(shape) + triton_prefill.static_kernels(shape) + triton_linear.static_kernels(shape)
+    return (triton_moe.static_kernels(shape) + triton_dequantize.static_kernels(shape)
+            + triton_prefill.static_kernels(shape) + triton_linear.static_kernels(shape))
 
 
 def dot_dtype_for(dtype: torch.dtype) -> torch.dtype:

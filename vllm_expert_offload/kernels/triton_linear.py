@@ -1,4 +1,5 @@
-"""A dense EXL3 linear (every shard of one vLLM layer) in one Triton launch, or two when its input is split.
+"""A dense EXL3 linear (every shard of one vLLM layer) in one Triton launch, or two when its input is split; from
+`DEQUANT_MIN_ROWS` rows on (a prefill), each shard decoded once into a workspace and multiplied by torch's matmul.
 
 The layer's output is the concatenation, per shard, of this rank's part of the shard's 128-aligned cover,
 followed by zero padding rows (a padded vocabulary); the shards' covers are cut into 256-wide output pairs of
@@ -10,7 +11,10 @@ rotated in-kernel once per step for both pieces, multiplied by each decoded piec
   model's dtype; the program of a shard's first piece also zeroes the shard's padding rows;
 - several parts (decode, so that the grid fills the GPU at batch 1; `triton_fused.split_for`): each part stores
   its fp32 partial (rotation and svh are linear), and `linear_finish_kernel` sums the parts in order
-  (deterministic), crops, pads and casts.
+  (deterministic), crops, pads and casts;
+- from `DEQUANT_MIN_ROWS` rows: per shard, chunks of its covered columns decoded with the input side folded in,
+  W' = diag(suh) · H · W_hat (`triton_dequantize.dequantize`); the rank's input times each chunk by torch's matmul
+  (cuBLAS on a GPU), rotated back ⊙ svh by torch, its valid columns written into the output; padding zeroed.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..exl3.hadamard import hadamard_128, hadamard_last
 from .contract import LinearLayer
 from .launch_ops import register_launch
 from .linear import LinearShard
-from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES
+from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, matrix_table, own_addresses
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
+from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
                            load_vector_halves, rotate, rotated_pieces, split_for)
 
@@ -34,7 +40,7 @@ PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
 CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}
 FINISH_BLOCK = 256
-SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 64  # rows per program: 16 up to LARGE_ROWS rows, then 64
+BLOCK_M = 16  # rows per program, below the dequantize threshold (triton_dequantize.DEQUANT_MIN_ROWS)
 
 
 @triton.jit
@@ -172,7 +178,12 @@ class FusedTritonLinear:
     """Dense shards through `linear_kernel` (and `linear_finish_kernel` when the input is split)."""
 
     def __init__(self, shards: Sequence[LinearShard], dtype: torch.dtype, device: torch.device,
-                 capture_rows: tuple[int, ...] = (), split: int | None = None) -> None:
+                 capture_rows: tuple[int, ...] = (), split: int | None = None,
+                 dequant_min_rows: int = DEQUANT_MIN_ROWS, dequant_workspace_bytes: int = DEQUANT_WORKSPACE_BYTES,
+                 ) -> None:
+        """`dequant_*`: from how many rows the shards are decoded once per forward into a workspace of at most
+        that many bytes (in chunks of 128-wide columns) and multiplied by torch's matmul (tests make both small)."""
+        hadamard_128(dtype, device)  # cached now: the prefill path's rotation must not copy it inside a graph
         self.shards = [shard.to(device) for shard in shards]  # owned: the piece table holds their addresses
         pieces, source = _piece_table(self.shards)
         self.pieces = torch.tensor(pieces, dtype=torch.int64, device=device)
@@ -188,10 +199,19 @@ class FusedTritonLinear:
         self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)
         self.device = device
         steps = max(s.layer.in_features for s in self.shards) // PIECE
-        self.split = split or split_for(steps, len(pieces), fill_target(device))  # at up to SMALL_BLOCK_M rows
+        self.split = split or split_for(steps, len(pieces), fill_target(device))  # at up to BLOCK_M rows
         self.no_partial = torch.zeros(1, 1, 1, device=device)  # what the one-part launch is handed, unread
         if self.split > 1:
-            WORKSPACES.reserve(device, "linear_partial", self.split * SMALL_BLOCK_M * self.partial_cols)
+            WORKSPACES.reserve(device, "linear_partial", self.split * BLOCK_M * self.partial_cols)
+        self.dequant_min_rows = dequant_min_rows
+        self.dense_tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
+        self.every_row = torch.ones(1, dtype=torch.int64, device=device)  # a dense linear's one matrix always qualifies
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.chunk_columns = [max(PIECE, dequant_workspace_bytes // (s.layer.in_features * itemsize) // PIECE * PIECE)
+                              for s in self.shards]
+        self.workspace_elements = max(s.layer.in_features * min(s.layer.out_features, columns)
+                                      for s, columns in zip(self.shards, self.chunk_columns))
+        WORKSPACES.reserve(device, WORKSPACE, -(-self.workspace_elements * itemsize // 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W of every shard, concatenated, without bias."""
@@ -199,18 +219,43 @@ class FusedTritonLinear:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         count = rows.shape[0]
-        block_m = SMALL_BLOCK_M if count <= LARGE_ROWS else LARGE_BLOCK_M
-        parts = self.split if count <= SMALL_BLOCK_M else 1
+        parts = self.split if count <= BLOCK_M else 1
         out = torch.empty(count, self.out_features, dtype=x.dtype, device=x.device)
+        if count >= self.dequant_min_rows:
+            self._dequantized(rows, out)
+            return out.reshape(*x.shape[:-1], self.out_features)
         if parts == 1:
             partial = self.no_partial
         else:
             partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
-        _linear(rows, self.pieces, self.suh, self.svh, out, partial, self.twice_k, self.codebook, block_m,
+        _linear(rows, self.pieces, self.suh, self.svh, out, partial, self.twice_k, self.codebook, BLOCK_M,
                 self.dot_fp16)
         if parts > 1:
             _finish(partial, self.source, out)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out = had(rows @ W') ⊙ svh per shard: each shard decoded with its input side folded in (`dequantize`),
+        in chunks of its covered columns that fit the workspace; each chunk multiplied by torch's matmul, rotated
+        back (`hadamard_last`), ⊙ svh, and its valid columns written into the output; padding rows zeroed."""
+        w = WORKSPACES.take(self.device, WORKSPACE, (-(-self.workspace_elements * rows.element_size() // 4),))
+        w = w.view(rows.dtype)
+        base = 0
+        for shard, table, chunk in zip(self.shards, self.dense_tables, self.chunk_columns):
+            layer = shard.layer
+            lo, hi = shard.out_offset, shard.out_offset + shard.out_valid
+            inputs = slice(shard.in_offset, shard.in_offset + shard.in_size)
+            for c0 in range(lo // PIECE * PIECE, hi, chunk):
+                columns = min(chunk, -(-hi // PIECE) * PIECE - c0)
+                dequantize(table, w, counts=self.every_row, min_rows=1, suh=layer.suh[None], n_first=c0,
+                           columns=columns)
+                decoded = w[: layer.in_features * columns].view(layer.in_features, columns)
+                y = hadamard_last(rows @ decoded[inputs]) * layer.svh[c0 : c0 + columns]
+                a, b = max(c0, lo), min(c0 + columns, hi)
+                out[:, base + a - lo : base + b - lo] = y[:, a - c0 : b - c0]
+            if shard.out_rows > shard.out_valid:
+                out[:, base + shard.out_valid : base + shard.out_rows] = 0
+            base += shard.out_rows
 
 
 def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
@@ -218,22 +263,20 @@ def fused_linear(layer: LinearLayer) -> FusedTritonLinear:
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
-    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype at
-    `SMALL_BLOCK_M` rows, writing the output directly (one part) and writing split partials (batch 1 on a GPU), and
-    for fp16 at `LARGE_BLOCK_M` rows (above `LARGE_ROWS` rows: prefill, direct), at `shape`'s K and codebook. (The
-    finish kernel reads no trellis.)"""
+    """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
+    the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook. (The
+    finish kernel reads no trellis; from `DEQUANT_MIN_ROWS` rows on triton_dequantize.py's kernel decodes.)"""
     signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64",
                  "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
                  "partial_ptr": "*fp32", "partial_cols": "i32"}
-    variants = [(dtype, mode, SMALL_BLOCK_M) for dtype in ("fp16", "bf16", "fp32") for mode in ("direct", "split")]
-    variants.append(("fp16", "prefill", LARGE_BLOCK_M))
+    variants = [(dtype, mode) for dtype in ("fp16", "bf16", "fp32") for mode in ("direct", "split")]
     return [
         StaticKernel(
             f"linear[{shape.codebook},{dtype},{mode}]", linear_kernel,
             signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
             {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
-             "DOT_FP16": dtype != "fp32", "BLOCK_M": block_m, "DIRECT": mode != "split"},
+             "DOT_FP16": dtype != "fp32", "BLOCK_M": BLOCK_M, "DIRECT": mode != "split"},
             MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",
         )
-        for dtype, mode, block_m in variants
+        for dtype, mode in variants
     ]

@@ -56,7 +56,8 @@ from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
                            load_vector_halves, rotated_pieces, split_for, write_through)
-from .triton_prefill import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, DequantizedPrefill
+from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES
+from .triton_prefill import DequantizedPrefill
 from .triton_moe_steps import (activation, activation_args, activation_rows, matrix_facts, store_activation,
                                store_rotated)
 

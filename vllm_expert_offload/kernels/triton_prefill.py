@@ -1,24 +1,20 @@
-"""Prefill for the experts many slots chose: each decoded once into a workspace, then a grouped GEMM over 32-row
+"""Prefill for the experts many slots chose: each decoded once into a workspace, then grouped GEMMs over 32-row
 blocks, as exllamav3 switches to dequantize-and-GEMM above 144 rows.
 
 The fused kernels (triton_moe.py) decode a piece of W_hat once per 16-row block: cheapest while an expert has few
 slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead decoded once per forward here:
-1. `dequantize_kernel`: per (expert, 128-wide output piece) program, its column of pieces decoded
-   (`triton_decode.decode_block`) and stored in the model's precision (fp16 for half-precision models), so the
-   GEMMs read plain weights. Gate's and up's input side is folded in, W' = diag(suh) · H · W_hat (one 128-deep
-   product per weight with the exact ±1 signs, `fold_rows`): their input differs per expert, and rotating it per
-   slot would copy the input top-k times. Down is stored as decoded: its input is finished (rotated) by the
-   gate/up GEMM's epilogue, as in the fused path.
-2. `grouped_gate_up_kernel`: 32 slots of one expert times W'(gate) and W'(up), K in steps of `BLOCK_K`; the
+1. `triton_dequantize.dequantize`, three launches (gate, up, down) per chunk of experts: gate's and up's input
+   side folded in, W' = diag(suh) · H · W_hat, stored in fp16 for half-precision models; down as decoded (its input
+   is finished, rotated, by the gate/up epilogue, as in the fused path).
+2. `grouped_gate_up_kernel`: 32 slots of one expert times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the
    epilogue (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input
    exactly where the fused gate/up kernel stores it.
 3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
    weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
-The workspace holds `chunk` experts (sized at load from `DEQUANT_WORKSPACE_BYTES`, reserved when the layer is built
-so vLLM's memory profile sees it); the three steps run once per chunk of consecutive expert ids, a count fixed by
-the layer. Which experts qualify is read on the device (`expert_blocks.slot_counts`): no host synchronisation.
-With a fill table (the expert cache) the dequantize kernel writes each dense expert's trellis through as it
-reads it; the fused kernels write the others.
+The workspace (triton_dequantize's, shared with dense linears) holds `chunk` experts; the three steps run once per
+chunk of consecutive expert ids, a count fixed by the layer. Which experts qualify is read on the device
+(`expert_blocks.slot_counts`): no host synchronisation. With a fill table (the expert cache) the dequantize kernel
+writes each dense expert's trellis through as it reads it; the fused kernels write the others.
 """
 
 from __future__ import annotations
@@ -32,65 +28,13 @@ from .launch_ops import register_launch
 from .matrix_table import MatrixTable
 from .pointer_tables import ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_decode import COMPILED, decode_block
-from .triton_fused import HALF, MATMUL_WARPS, PIECE, WORKSPACES, hadamard_signs, product, write_through
-from .triton_moe_steps import activation_args, activation_rows, matrix_facts, store_activation, store_rotated
+from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
+from .triton_fused import MATMUL_WARPS, PIECE, WORKSPACES, hadamard_signs, product
+from .triton_moe_steps import activation_args, activation_rows, store_activation, store_rotated
 
-DEQUANT_MIN_ROWS = 144  # slots of one expert from which it is decoded once (exllamav3's dequantize threshold)
-DEQUANT_WORKSPACE_BYTES = 512 << 20  # the decoded experts' workspace, shared by every layer of a device
 GEMM_BLOCK_M = 32  # at 64 rows the epilogue rotations spill 24-292 B (sm_90, sm_120); at 32 none
 GEMM_BLOCK_K = 32
-_RSQRT_128: tl.constexpr = tl.constexpr(128**-0.5)
 _PIECE: tl.constexpr = tl.constexpr(PIECE)
-
-
-@triton.jit
-def fold_rows(lo, hi):
-    """H @ [lo; hi] / √128 for the two (64, 128) fp16 halves of a decoded 128 x 128 piece, in fp32: H's left and
-    right column halves (`hadamard_signs` with COLS) times each half, exact ±1 products with fp32 accumulation (fp16
-    tensor cores on a GPU; fp32 in the interpreter, whose tl.dot reads bf16 as integers)."""
-    left = hadamard_signs(_PIECE, HALF, 0)
-    right = hadamard_signs(_PIECE, HALF, HALF)
-    if COMPILED:
-        acc = tl.dot(left.to(tl.float16), lo)
-        acc = tl.dot(right.to(tl.float16), hi, acc)
-    else:
-        acc = tl.dot(left.to(tl.float32), lo.to(tl.float32), input_precision="ieee")
-        acc = tl.dot(right.to(tl.float32), hi.to(tl.float32), acc, input_precision="ieee")
-    return acc * _RSQRT_128
-
-
-@triton.jit
-def dequantize_kernel(
-    trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, suh_ptr,
-    size_k, size_n, out_ptr, matrix_stride,
-    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, FILL: tl.constexpr,
-):
-    """out[slot, :, n0:+128] for matrix `first` + slot (program (slot, n0 / 128)), where that matrix has at least
-    `min_rows` rows: W_hat's column of pieces, with FOLD diag(suh) · H · W_hat (see the module docstring)."""
-    slot = tl.program_id(0)
-    matrix = first + slot
-    if matrix < num_matrices:
-        if tl.load(counts_ptr + matrix) >= min_rows:
-            trellis, twice_k, codebook, fill = matrix_facts(trellis_table, twice_k_table, codebook_table, fill_table,
-                                                            matrix, TWICE_K, CODEBOOK, FILL)
-            n0 = tl.program_id(1) * _PIECE
-            cols = n0 + tl.arange(0, _PIECE)[None, :]
-            dst = out_ptr + slot.to(tl.int64) * matrix_stride
-            for k0 in range(0, size_k, _PIECE):
-                if FILL:
-                    if fill != 0:
-                        write_through(trellis, fill, k0, n0, size_n, twice_k)
-                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE)
-                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE)
-                if FOLD:
-                    rows = k0 + tl.arange(0, _PIECE)
-                    w = fold_rows(lo, hi) * tl.load(suh_ptr + matrix * size_k + rows).to(tl.float32)[:, None]
-                    tl.store(dst + rows[:, None] * size_n + cols, w.to(dst.dtype.element_ty))
-                else:
-                    rows = k0 + tl.arange(0, HALF)[:, None]
-                    tl.store(dst + rows * size_n + cols, lo.to(dst.dtype.element_ty))
-                    tl.store(dst + (rows + HALF) * size_n + cols, hi.to(dst.dtype.element_ty))
 
 
 @triton.jit
@@ -163,17 +107,6 @@ def grouped_down_kernel(
                       svh_down_ptr + matrix * size_n, DOT_FP16, route)
 
 
-def _launch_dequantize(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, suh, out, offset,
-                       matrix_stride, size_k, size_n, uniform_twice_k, uniform_codebook):
-    with_fill = fill is not None
-    dequantize_kernel[(chunk, size_n // PIECE)](
-        trellis, twice_k, codebook, fill if with_fill else trellis, counts, min_rows, first, trellis.shape[0],
-        suh if suh is not None else counts, size_k, size_n, out[offset:], matrix_stride,
-        TWICE_K=uniform_twice_k, CODEBOOK=uniform_codebook, FOLD=suh is not None, FILL=with_fill,
-        num_warps=MATMUL_WARPS,
-    )
-
-
 def _launch_gate_up(x, route, row_ids, block_matrix, first, chunk, w, matrix_stride, size_k, svh_gate, svh_up,
                     suh_down, keep, swiglu_limit, partial, route_on_input, dot_fp16):
     size_n = svh_gate.shape[1]
@@ -198,13 +131,6 @@ def _launch_down(partial, route, row_ids, block_matrix, first, chunk, w, matrix_
 
 
 _BLOCKS = "Tensor row_ids, Tensor block_matrix, int first, int chunk, Tensor w, int matrix_stride"
-_dequantize = register_launch(
-    "moe_dequantize_triton",
-    "Tensor trellis, Tensor twice_k, Tensor codebook, Tensor? fill, Tensor counts, int min_rows, int first, "
-    "int chunk, Tensor? suh, Tensor(a!) out, int offset, int matrix_stride, int size_k, int size_n, "
-    "int uniform_twice_k, int uniform_codebook",
-    _launch_dequantize,
-)
 _gate_up = register_launch(
     "moe_grouped_gate_up_triton",
     f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor svh_gate, Tensor svh_up, Tensor suh_down, Tensor? keep, "
@@ -241,7 +167,7 @@ class DequantizedPrefill:
         self.matrix_stride = 2 * self.gate_numel + down.in_features * down.out_features  # one expert's slot
         expert_bytes = self.matrix_stride * self.weight_dtype.itemsize
         self.chunk = max(1, min(self.num_experts, workspace_bytes // expert_bytes))
-        WORKSPACES.reserve(device, "moe_dequantized", -(-self.chunk * expert_bytes // 4))
+        WORKSPACES.reserve(device, WORKSPACE, -(-self.chunk * expert_bytes // 4))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, counts: torch.Tensor,
                 partial: torch.Tensor, y: torch.Tensor, fill: dict[str, torch.Tensor], route_on_input: bool) -> None:
@@ -250,14 +176,14 @@ class DequantizedPrefill:
         row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, GEMM_BLOCK_M, counts)
         block_matrix = blocks_where(block_matrix, counts, self.min_rows, at_least=True)
         floats = -(-self.chunk * self.matrix_stride * self.weight_dtype.itemsize // 4)
-        w = WORKSPACES.take(self.device, "moe_dequantized", (floats,)).view(self.weight_dtype)
+        w = WORKSPACES.take(self.device, WORKSPACE, (floats,)).view(self.weight_dtype)
         s = self.scales
         offsets = {"gate": 0, "up": self.gate_numel, "down": 2 * self.gate_numel}
         for first in range(0, self.num_experts, self.chunk):
             for p, table in self.tables.items():
-                _dequantize(table.trellis, table.twice_k, table.codebook, fill.get(p), counts, self.min_rows, first,
-                            self.chunk, s[(p, "suh")] if p != "down" else None, w, offsets[p], self.matrix_stride,
-                            table.in_features, table.out_features, table.uniform_twice_k, table.uniform_codebook)
+                dequantize(table, w, counts=counts, min_rows=self.min_rows, first=first, chunk=self.chunk,
+                           offset=offsets[p], matrix_stride=self.matrix_stride,
+                           suh=s[(p, "suh")] if p != "down" else None, fill=fill.get(p))
             blocks = (row_ids, block_matrix, first, self.chunk)
             _gate_up(x, topk_weights, *blocks, w, self.matrix_stride, self.tables["gate"].in_features,
                      s[("gate", "svh")], s[("up", "svh")], s[("down", "suh")], self.keep_channels, self.swiglu_limit,
@@ -267,13 +193,9 @@ class DequantizedPrefill:
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
-    """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (whose decoded
-    weights are fp16): the dequantize kernel with gate's/up's fold and down's plain copy, and the two grouped
-    GEMMs, which read no trellis (the report gives their registers, spills and shared memory)."""
-    codebook = {"3inst": 0, "mcg": 1, "mul1": 2}[shape.codebook]
-    dequantize = {"trellis_table": "*i64", "twice_k_table": "*i32", "codebook_table": "*i32", "fill_table": "*i64",
-                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32", "suh_ptr": "*fp16",
-                  "size_k": "i32", "size_n": "i32", "out_ptr": "*fp16", "matrix_stride": "i32"}
+    """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
+    in the workspace): the two grouped GEMMs, which read no trellis (the report gives their registers, spills and
+    shared memory; triton_dequantize.py lists the decode)."""
     blocks = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "row_ids_ptr": "*i32",
               "block_matrix_ptr": "*i32", "first": "i32", "chunk": "i32", "w_ptr": "*fp16", "matrix_stride": "i32",
               "size_k": "i32", "size_n": "i32"}
@@ -282,16 +204,9 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                "partial_ptr": "*fp32"}
     down = {"partial_ptr": "*fp32", **blocks, "svh_down_ptr": "*fp16", "out_ptr": "*fp32"}
     gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
-    kernels = [
-        StaticKernel(f"moe_dequantize[{shape.codebook},{label}]", dequantize_kernel, dequantize,
-                     dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, FILL=False), MATMUL_WARPS, 3,
-                     PIECE * PIECE, trellis_arg="trellis_table")
-        for label, fold in (("gate_up", True), ("down", False))
-    ]
-    for dtype in ("fp16", "bf16"):
-        kernels.append(StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel,
-                                    gate_up | {"x_ptr": f"*{dtype}"}, gemm | dict(CLAMP=False, CROP=False),
-                                    MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None))
+    kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, gate_up | {"x_ptr": f"*{dtype}"},
+                            gemm | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None)
+               for dtype in ("fp16", "bf16")]
     kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, down, gemm, MATMUL_WARPS, 3, 0,
                                 trellis_arg=None))
     return kernels
