@@ -14,10 +14,12 @@ import triton.language as tl
 
 from vllm_expert_offload.exl3 import parse_linear
 from vllm_expert_offload.exl3.naming import PROJECTIONS
-from vllm_expert_offload.kernels import triton_linear, triton_moe
+from vllm_expert_offload.kernels import triton_linear, triton_moe, triton_prefill
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.expert_blocks import blocks_where, grouped_blocks, slot_counts
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
+from vllm_expert_offload.kernels.triton_dequantize import WORKSPACE
+from vllm_expert_offload.kernels.triton_fused import WORKSPACES
 from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
 from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE, _block_rows, fused_moe
 from vllm_expert_offload.tools.launch_census import count_launches
@@ -195,6 +197,57 @@ def test_dequantized_prefill_matches_table_kernel(on_input: bool) -> None:
     assert_close_to_reference(fused.forward(x, weights, ids, on_input), reference.forward(x, weights, ids, on_input))
 
 
+def test_fused_kernels_leave_the_dequantized_experts_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each slot is computed by one path: with the dequantized path's launches removed (and the per-slot outputs
+    poisoned first), exactly the tokens that chose a dense expert come out NaN; the others are the reference's."""
+    prefill = {**DENSE, "dequant_min_rows": 23}  # slots per expert 23, 17, 22, 30, 26, 22: experts 0, 3, 4 dense
+    reference, fused, _ = placed_moe(FULL, lambda layer: fused_moe(layer, SPLIT, **prefill))
+    x, weights, ids = routing(70, seed=70)
+    want = reference.forward(x, weights, ids, False)
+    take = WORKSPACES.take
+
+    def poisoned(device: torch.device, purpose: str, shape: tuple[int, ...]) -> torch.Tensor:
+        held = take(device, purpose, shape)
+        return held.fill_(float("nan")) if purpose == "moe_out" else held
+
+    monkeypatch.setattr(WORKSPACES, "take", poisoned)
+    monkeypatch.setattr(fused.prefill, "forward", lambda *args: None)
+    got = fused.forward(x, weights, ids, False)
+    counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
+    dense = (counts[ids] >= 23).any(dim=1)
+    assert dense.any() and not dense.all()
+    assert got[dense].isnan().all()
+    assert_close_to_reference(got[~dense], want[~dense])
+
+
+def test_each_chunk_takes_only_its_own_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the GEMMs of every chunk but the first (experts 0 and 1) removed and the per-slot buffers poisoned:
+    tokens whose experts are all in the first chunk or below the threshold equal the reference, every token with a
+    dense expert of a later chunk is NaN: the first chunk's GEMMs did not take its rows (with the zeros the
+    workspace holds past the chunk)."""
+    reference, fused, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    x, weights, ids = routing(70, seed=70)
+    want = reference.forward(x, weights, ids, False)
+    WORKSPACES.reserve(CPU, WORKSPACE, len(TIERS) * fused.prefill.matrix_stride)
+    WORKSPACES.take(CPU, WORKSPACE, (len(TIERS) * fused.prefill.matrix_stride,)).zero_()
+    take = WORKSPACES.take
+
+    def poisoned(device: torch.device, purpose: str, shape: tuple[int, ...]) -> torch.Tensor:
+        held = take(device, purpose, shape)
+        return held.fill_(float("nan")) if purpose in ("moe_out", "moe_partial") else held
+
+    monkeypatch.setattr(WORKSPACES, "take", poisoned)
+    for name in ("_gate_up", "_down"):
+        launch = getattr(triton_prefill, name)
+        monkeypatch.setattr(triton_prefill, name, lambda *args, launch=launch: launch(*args) if args[4] == 0 else None)
+    got = fused.forward(x, weights, ids, False)
+    counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
+    later = ((counts[ids] >= DENSE["dequant_min_rows"]) & (ids >= fused.prefill.chunk)).any(dim=1)
+    assert later.any() and not later.all()
+    assert got[later].isnan().all()
+    assert_close_to_reference(got[~later], want[~later])
+
+
 def test_dequantized_prefill_launches_a_fixed_set() -> None:
     """Per chunk of experts three dequantize launches (gate, up, down) and the two GEMMs, whatever the batch;
     the fused kernels and the sum once."""
@@ -281,10 +334,19 @@ LINEAR_DENSE = {"dequant_min_rows": 50, "dequant_workspace_bytes": 256 * 128 * 4
 
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize(("rows", "prefill"), [(1, {}), (9, {}), (33, {}), (70, {}), (70, LINEAR_DENSE)])
-def test_fused_linear_matches_dequantized(split: int, rows: int, prefill: dict[str, int]) -> None:
+def test_fused_linear_matches_dequantized(monkeypatch: pytest.MonkeyPatch, split: int, rows: int,
+                                          prefill: dict[str, int]) -> None:
     """Decode (split or not), 16-row blocks up to the threshold, and above it each shard decoded once with its
-    rotations folded in (in chunks of columns) and multiplied by torch's matmul."""
+    input side folded in (in chunks of columns) and multiplied by torch's matmul; new tensors start as NaN, so every
+    output column, padding included, must be written."""
     x = torch.randn(rows, 144, generator=torch.Generator().manual_seed(rows))
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        made = empty(*args, **kwargs)
+        return made.fill_(float("nan")) if made.is_floating_point() else made
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     got = _fused_linear(split, **prefill).forward(x)
     assert got.shape == (rows, 304)
     assert_close_to_reference(got, DequantizedLinear(_shards(), torch.float32, CPU).forward(x))
