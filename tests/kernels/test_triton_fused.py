@@ -179,6 +179,17 @@ def _dense_builder(split: tuple[int, int]):
     return lambda layer: fused_moe(layer, split, **DENSE)
 
 
+def _poison_workspaces(monkeypatch: pytest.MonkeyPatch, *purposes: str) -> None:
+    """Every view of these fused-kernel workspaces handed to a forward starts as NaN: what no kernel writes shows."""
+    take = WORKSPACES.take
+
+    def poisoned(device: torch.device, purpose: str, shape: tuple[int, ...]) -> torch.Tensor:
+        held = take(device, purpose, shape)
+        return held.fill_(float("nan")) if purpose in purposes else held
+
+    monkeypatch.setattr(WORKSPACES, "take", poisoned)
+
+
 def _both_paths(ids: torch.Tensor) -> None:
     """Some selected expert reaches the threshold (dequantized) and some does not (fused kernels)."""
     counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
@@ -204,13 +215,7 @@ def test_fused_kernels_leave_the_dequantized_experts_alone(monkeypatch: pytest.M
     reference, fused, _ = placed_moe(FULL, lambda layer: fused_moe(layer, SPLIT, **prefill))
     x, weights, ids = routing(70, seed=70)
     want = reference.forward(x, weights, ids, False)
-    take = WORKSPACES.take
-
-    def poisoned(device: torch.device, purpose: str, shape: tuple[int, ...]) -> torch.Tensor:
-        held = take(device, purpose, shape)
-        return held.fill_(float("nan")) if purpose == "moe_out" else held
-
-    monkeypatch.setattr(WORKSPACES, "take", poisoned)
+    _poison_workspaces(monkeypatch, "moe_out")
     monkeypatch.setattr(fused.prefill, "forward", lambda *args: None)
     got = fused.forward(x, weights, ids, False)
     counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
@@ -230,13 +235,7 @@ def test_each_chunk_takes_only_its_own_experts(monkeypatch: pytest.MonkeyPatch) 
     want = reference.forward(x, weights, ids, False)
     WORKSPACES.reserve(CPU, WORKSPACE, len(TIERS) * fused.prefill.matrix_stride)
     WORKSPACES.take(CPU, WORKSPACE, (len(TIERS) * fused.prefill.matrix_stride,)).zero_()
-    take = WORKSPACES.take
-
-    def poisoned(device: torch.device, purpose: str, shape: tuple[int, ...]) -> torch.Tensor:
-        held = take(device, purpose, shape)
-        return held.fill_(float("nan")) if purpose in ("moe_out", "moe_partial") else held
-
-    monkeypatch.setattr(WORKSPACES, "take", poisoned)
+    _poison_workspaces(monkeypatch, "moe_out", "moe_partial")
     for name in ("_gate_up", "_down"):
         launch = getattr(triton_prefill, name)
         monkeypatch.setattr(triton_prefill, name, lambda *args, launch=launch: launch(*args) if args[4] == 0 else None)

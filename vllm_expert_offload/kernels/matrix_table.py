@@ -16,6 +16,7 @@ from ..exl3.codebook import Codebook
 from ..exl3.tensors import Exl3Linear
 
 CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
+CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}  # "3inst", "mcg", "mul1"
 MIXED_CODEBOOKS = -1
 MIXED_RATES = 0
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .launch_ops import register_launch
-from .matrix_table import MatrixTable
+from .matrix_table import CODEBOOK_IDS_BY_NAME, MatrixTable
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import COMPILED, decode_block
 from .triton_fused import HALF, MATMUL_WARPS, PIECE, hadamard_signs, write_through
@@ -120,7 +120,7 @@ def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, m
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
     stored): with the input side folded (a MoE's gate/up, a dense linear) and as decoded (a MoE's down)."""
-    codebook = {"3inst": 0, "mcg": 1, "mul1": 2}[shape.codebook]
+    codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     signature = {"trellis_table": "*i64", "twice_k_table": "*i32", "codebook_table": "*i32", "fill_table": "*i64",
                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32", "suh_ptr": "*fp16",
                  "size_k": "i32", "size_n": "i32", "n_first": "i32", "out_ptr": "*fp16",

@@ -123,7 +123,7 @@ def _half_products(acc, acc_second, x, trellis, k, n0, size_n, twice_k, codebook
     acc = product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
     if second:
         acc_second = product(acc_second, x, decode_block(trellis, k, n0 + 128, size_n, twice_k, codebook, HALF,
-                                                          2 * HALF), DOT_FP16)
+                                                         2 * HALF), DOT_FP16)
     return acc, acc_second
 
 

@@ -29,7 +29,7 @@ from ..exl3.hadamard import hadamard_128, hadamard_last
 from .contract import LinearLayer
 from .launch_ops import register_launch
 from .linear import LinearShard
-from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, matrix_table, own_addresses
+from .matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME, MIXED_CODEBOOKS, MIXED_RATES, matrix_table, own_addresses
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
@@ -38,7 +38,6 @@ from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, h
 
 PIECE_FIELDS = ("trellis", "twice_k", "codebook", "size_k", "size_n", "n0", "in_offset", "in_size", "suh", "svh",
                 "out_shift", "out_lo", "out_hi", "pad_lo", "pad_hi", "partial_col")
-CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}
 FINISH_BLOCK = 256
 BLOCK_M = 16  # rows per program, below the dequantize threshold (triton_dequantize.DEQUANT_MIN_ROWS)
 
@@ -206,7 +205,7 @@ class FusedTritonLinear:
         self.dequant_min_rows = dequant_min_rows
         self.dense_tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
         self.every_row = torch.ones(1, dtype=torch.int64, device=device)  # a dense linear's one matrix always qualifies
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         self.chunk_columns = [max(PIECE, dequant_workspace_bytes // (s.layer.in_features * itemsize) // PIECE * PIECE)
                               for s in self.shards]
         self.workspace_elements = max(s.layer.in_features * min(s.layer.out_features, columns)

@@ -51,7 +51,7 @@ from .contract import ExpertCrop, MoELayer
 from .expert_blocks import blocks_where, grouped_blocks, slot_counts
 from .expert_slots import ExpertSlots
 from .launch_ops import register_launch
-from .matrix_table import matrix_table
+from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
@@ -136,9 +136,8 @@ def moe_gate_up_kernel(
     """partial[part, 0|1, slot, n0:+256] = had(had(x ⊙ suh) @ W_hat(gate|up)) ⊙ svh over this part's input
     pieces: the parts' sum is the projection (the back rotation is linear), rotated once per program here rather
     than once per K step of the down kernel. Two 128-wide output pieces per program share each step's input and
-    its two rotations, as in the down kernel. With FINISH (one part) the program
-    stores down's rotated input for its pieces instead (`store_activation`), once rather than once per down
-    program."""
+    its two rotations, as in the down kernel. With FINISH (one part) the program stores down's rotated input for
+    its pieces instead (`store_activation`), once rather than once per down program."""
     matrix, rows, row_ok, first = _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr,
                                               tl.program_id(0), num_slots, TOP_K, DEDUP, BLOCK_M, SLOTS_P2)
     if matrix >= 0:
@@ -174,10 +173,10 @@ def moe_gate_up_kernel(
             act_rows = activation_rows(partial_ptr, rows, size_n, DOT_FP16)
             suh_down = suh_down_ptr + matrix * size_n
             store_activation(act_rows, row_ok, n0, acc_gate, acc_up, signs, svh_gate, svh_up, suh_down, keep_ptr,
-                              swiglu_limit, DOT_FP16, CLAMP, CROP)
+                             swiglu_limit, DOT_FP16, CLAMP, CROP)
             if second:
                 store_activation(act_rows, row_ok, n0 + 128, acc_gate_second, acc_up_second, signs, svh_gate,
-                                  svh_up, suh_down, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
+                                 svh_up, suh_down, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
         else:
             gate_rows = partial_ptr + (part * 2 * num_slots + rows[:, None]) * size_n
             up_rows = gate_rows + num_slots * size_n
@@ -446,7 +445,6 @@ def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None, **prefill: 
 
 
 _TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
-_CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
@@ -454,7 +452,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     dtype at decode (1 token: one program per slot, the input split) and, for fp16, as a prefill's experts with few
     slots run them (rows sorted by expert, one part: gate/up finishes down's input). (The sum kernel reads no
     trellis: nothing in it for the report to measure; triton_prefill.py lists the dense experts' kernels.)"""
-    codebook = _CODEBOOK_IDS[shape.codebook]
+    codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     twice_k = int(2 * shape.k_bits)
     routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
                "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32"}

@@ -167,7 +167,8 @@ class DequantizedPrefill:
         self.matrix_stride = 2 * self.gate_numel + down.in_features * down.out_features  # one expert's slot
         expert_bytes = self.matrix_stride * self.weight_dtype.itemsize
         self.chunk = max(1, min(self.num_experts, workspace_bytes // expert_bytes))
-        WORKSPACES.reserve(device, WORKSPACE, -(-self.chunk * expert_bytes // 4))
+        self.workspace_floats = -(-self.chunk * expert_bytes // 4)  # WORKSPACES holds fp32
+        WORKSPACES.reserve(device, WORKSPACE, self.workspace_floats)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, counts: torch.Tensor,
                 partial: torch.Tensor, y: torch.Tensor, fill: dict[str, torch.Tensor], route_on_input: bool) -> None:
@@ -175,8 +176,7 @@ class DequantizedPrefill:
         (`y`, (1, slots, hidden)) of every slot whose expert has at least `min_rows` slots (`counts`)."""
         row_ids, block_matrix = grouped_blocks(topk_ids.reshape(-1), self.num_experts, GEMM_BLOCK_M, counts)
         block_matrix = blocks_where(block_matrix, counts, self.min_rows, at_least=True)
-        floats = -(-self.chunk * self.matrix_stride * self.weight_dtype.itemsize // 4)
-        w = WORKSPACES.take(self.device, WORKSPACE, (floats,)).view(self.weight_dtype)
+        w = WORKSPACES.take(self.device, WORKSPACE, (self.workspace_floats,)).view(self.weight_dtype)
         s = self.scales
         offsets = {"gate": 0, "up": self.gate_numel, "down": 2 * self.gate_numel}
         for first in range(0, self.num_experts, self.chunk):
