@@ -13,12 +13,15 @@ import triton
 import triton.language as tl
 
 from vllm_expert_offload.exl3 import parse_linear
+from vllm_expert_offload.exl3.decode import rotated_weight
+from vllm_expert_offload.exl3.hadamard import hadamard_rows
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels import triton_linear, triton_moe, triton_prefill
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.expert_blocks import blocks_where, grouped_blocks, slot_counts
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.triton_dequantize import WORKSPACE
+from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
+from vllm_expert_offload.kernels.triton_dequantize import WORKSPACE, dequantize
 from vllm_expert_offload.kernels.triton_fused import WORKSPACES
 from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
 from vllm_expert_offload.kernels.triton_moe import FusedTritonMoE, _block_rows, fused_moe
@@ -36,6 +39,7 @@ from support.meta_proof import (
     planted,
 )
 from support.moe_layers import (
+    ALL_RATES,
     CPU,
     FULL,
     HIDDEN,
@@ -258,6 +262,37 @@ def test_dequantized_prefill_launches_a_fixed_set() -> None:
     assert [counts[f"triton::{k}"] for k in ("dequantize_kernel", "grouped_gate_up_kernel", "grouped_down_kernel",
                                              "moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel")] == [
         3 * chunks, chunks, chunks, 1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
+    """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces):
+    plain, bit-exact with exl3.decode's W_hat; folded, diag(suh) · H · W_hat within the reference tolerance (fp16:
+    one rounding); a matrix below `min_rows` is left untouched."""
+    layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
+    table = matrix_table(layers, own_addresses(layers), CPU)
+    suh = torch.stack([layer.suh for layer in layers])
+    counts = torch.full((len(layers),), 5, dtype=torch.int64)
+    counts[3] = 4  # below min_rows: not decoded
+    stride = 128 * 256
+    for fold in (False, True):
+        out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype)
+        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride,
+                   suh=suh if fold else None)
+        got = out.view(len(layers), 128, 256)
+        assert got[3].isnan().all()
+        for i, layer in enumerate(layers):
+            if i == 3:
+                continue
+            w_hat = rotated_weight(layer)
+            if not fold:
+                assert torch.equal(got[i], w_hat.to(dtype)), (ALL_RATES[i], fold)
+                continue
+            want = hadamard_rows(w_hat.float()) * layer.suh.float()[:, None]
+            if dtype == torch.float32:
+                assert_close_to_reference(got[i], want)
+            else:
+                torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
 
 
 def test_slot_counts_and_blocks_split_between_the_two_paths() -> None:
