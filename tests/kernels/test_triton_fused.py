@@ -7,6 +7,8 @@ stay small: the interpreter costs milliseconds per program.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import triton
@@ -267,18 +269,16 @@ def test_dequantized_prefill_launches_a_fixed_set() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
     """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces):
-    plain, bit-exact with exl3.decode's W_hat; folded, diag(suh) · H · W_hat within the reference tolerance (fp16:
-    one rounding); a matrix below `min_rows` is left untouched."""
+    plain, bit-exact with exl3.decode's W_hat; folded, H · W_hat (unnormalised) within the reference tolerance
+    (fp16: one rounding); a matrix below `min_rows` is left untouched."""
     layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
     table = matrix_table(layers, own_addresses(layers), CPU)
-    suh = torch.stack([layer.suh for layer in layers])
     counts = torch.full((len(layers),), 5, dtype=torch.int64)
     counts[3] = 4  # below min_rows: not decoded
     stride = 128 * 256
     for fold in (False, True):
         out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype)
-        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride,
-                   suh=suh if fold else None)
+        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold)
         got = out.view(len(layers), 128, 256)
         assert got[3].isnan().all()
         for i, layer in enumerate(layers):
@@ -288,7 +288,7 @@ def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
             if not fold:
                 assert torch.equal(got[i], w_hat.to(dtype)), (ALL_RATES[i], fold)
                 continue
-            want = hadamard_rows(w_hat.float()) * layer.suh.float()[:, None]
+            want = hadamard_rows(w_hat.float()) * 128**0.5
             if dtype == torch.float32:
                 assert_close_to_reference(got[i], want)
             else:
@@ -345,6 +345,48 @@ def test_dense_linear_prefill_launches() -> None:
     counts = count_launches(lambda: linear.forward(x))
     assert counts == count_launches(lambda: linear.forward(more))
     assert counts["triton::dequantize_kernel"] == 3 and "triton::linear_kernel" not in counts, counts  # q: 2, k: 1
+
+
+def _recorded_launches(forward) -> dict[str, list[dict]]:
+    """Every interpreted Triton launch of one call of `forward`: kernel name -> its arguments by name."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: dict[str, list[dict]] = {}
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        launches.setdefault(self.__name__, []).append(dict(zip(self.arg_names, args)) | kwargs)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with mock.patch.object(InterpretedFunction, "run", recording):
+        forward()
+    return launches
+
+
+def test_arguments_the_static_report_compiles_aligned_are_aligned_at_every_launch() -> None:
+    """`bench-kernels --static` compiles each kernel as Triton's launch specialises it: an argument a kernel lists
+    as aligned (StaticKernel.aligned) must be, at every launch of the backend's forwards, a pointer to 16-byte-aligned
+    memory or a multiple of 16, or the report measures a variant that never runs. Recorded over the MoE prefill with
+    dense experts in three chunks and the dense linear decoded in column chunks at offsets."""
+    from vllm_expert_offload.kernels.static_spec import LayerShape
+    from vllm_expert_offload.kernels.triton_exl3 import backend_static_kernels
+
+    _, moe, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    inputs = routing(70, seed=70)
+    _both_paths(inputs[2])
+    launches = _recorded_launches(lambda: moe.forward(*inputs, False))
+    linear = _fused_linear(1, **LINEAR_DENSE)
+    for name, calls in _recorded_launches(lambda: linear.forward(torch.randn(70, 144))).items():
+        launches.setdefault(name, []).extend(calls)
+    checked = set()
+    for kernel in backend_static_kernels(LayerShape("tiny", HIDDEN, 256, len(TIERS), 2)):
+        for call in launches.get(kernel.fn.__name__, []) if kernel.aligned else []:
+            for name in kernel.aligned:
+                value = call[name]
+                held = value.data_ptr() if isinstance(value, torch.Tensor) else value
+                assert held % 16 == 0, (kernel.name, name, held)
+                checked.add(kernel.fn.__name__)
+    assert checked == {"dequantize_kernel", "grouped_gate_up_kernel", "grouped_down_kernel"}
 
 
 # --- dense linears --------------------------------------------------------------------------------------

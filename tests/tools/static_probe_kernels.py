@@ -83,6 +83,18 @@ def table_kernel(ids_ptr, table_ptr, scale_ptr, out_ptr, n, SECOND_IS_ADDRESS: t
 
 
 @triton.jit
+def strided_kernel(trellis_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
+    """Sums rows of 16-bit 'trellis' words `stride` apart, 8 contiguous words per thread: Triton reads them with one
+    128-bit load only where the pointer and the stride are known to be aligned to 16 (what its launch specialises
+    on), else with 16-bit loads."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for k in range(0, n):
+        acc += tl.load(trellis_ptr + k * stride + offs).to(tl.int32)
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
 def _legacy_lop3_halves(x):
     """3INST/MCG: keep sign, low exponent bits and mantissa of both halves, force the exponent to 011xx,
     add the two fp16 halves in fp32 (exact) and round once, which equals __hadd."""
@@ -199,9 +211,19 @@ def _table(second_is_address: bool) -> StaticKernel:
     )
 
 
+def _strided(aligned: tuple[str, ...]) -> StaticKernel:
+    return StaticKernel(
+        name=f"strided[{','.join(aligned)}]", fn=strided_kernel,
+        signature={"trellis_ptr": "*i16", "out_ptr": "*i32", "n": "i32", "stride": "i32"},
+        constexprs={"BLOCK": 8 * 128}, num_warps=4, num_stages=1, weights_per_iteration=8 * 128,
+        trellis_arg="trellis_ptr", trellis_indirection=0, aligned=aligned,
+    )
+
+
 def probe_kernels(shape: LayerShape) -> list[StaticKernel]:
     return [_probe(32, 0), _probe(16, 0), _probe(32, 10), _probe(32, 10, branch=True), _probe(32, 10, nested=True),
-            _table(False), _table(True)] + legacy_kernel(shape)
+            _table(False), _table(True), _strided(()), _strided(("trellis_ptr",)),
+            _strided(("trellis_ptr", "stride"))] + legacy_kernel(shape)
 
 
 def today_mul1(shape: LayerShape) -> list[StaticKernel]:

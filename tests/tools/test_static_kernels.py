@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_expert_offload import cli
-from vllm_expert_offload.kernels.static_spec import LayerShape
+from vllm_expert_offload.kernels.static_spec import LayerShape, StaticKernel
 from vllm_expert_offload.tools import bench_kernels_cmd, ptx_analysis, static_kernels, static_report
 
 PROBES = str(Path(__file__).with_name("static_probe_kernels.py"))
@@ -97,6 +97,22 @@ def test_former_gather_decode_reads_16_bit_at_38_sass_instructions_per_weight(pr
     legacy = probes["sm_90"]["kernels"]["tiny/legacy[mul1,fp16]"]
     assert legacy["trellis_load_bits"] == 16
     assert 36 <= legacy["sass_per_weight"] <= 40 and 26 <= legacy["ptx_per_weight"] <= 30
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_aligned_arguments_are_compiled_as_a_launch_specialises_them(probes, target) -> None:
+    kernels = probes[target]["kernels"]
+    # 8 contiguous 16-bit words per thread: one 128-bit load once the pointer and the row stride are both known to
+    # be multiples of 16 (as Triton's launch finds them), 16-bit loads while either is not
+    assert kernels["tiny/strided[]"]["trellis_load_bits"] == 16
+    assert kernels["tiny/strided[trellis_ptr]"]["trellis_load_bits"] == 16
+    assert kernels["tiny/strided[trellis_ptr,stride]"]["trellis_load_bits"] == 128
+
+
+def test_aligned_names_must_be_runtime_arguments() -> None:
+    kernel = StaticKernel("k", None, {"ptr": "*i16"}, {"BLOCK": 8}, 4, 1, 8, "ptr", aligned=("BLOCK",))
+    with pytest.raises(ValueError, match=r"aligned \['BLOCK'\] are not runtime arguments"):
+        static_kernels._alignment_attrs(kernel)
 
 
 def test_wrong_trellis_argument_is_refused() -> None:

@@ -12,9 +12,10 @@ rotated in-kernel once per step for both pieces, multiplied by each decoded piec
 - several parts (decode, so that the grid fills the GPU at batch 1; `triton_fused.split_for`): each part stores
   its fp32 partial (rotation and svh are linear), and `linear_finish_kernel` sums the parts in order
   (deterministic), crops, pads and casts;
-- from `DEQUANT_MIN_ROWS` rows: per shard, chunks of its covered columns decoded with the input side folded in,
-  W' = diag(suh) · H · W_hat (`triton_dequantize.dequantize`); the rank's input times each chunk by torch's matmul
-  (cuBLAS on a GPU), rotated back ⊙ svh by torch, its valid columns written into the output; padding zeroed.
+- from `DEQUANT_MIN_ROWS` rows: per shard, chunks of its covered columns decoded with the input rotation folded in,
+  W' = H · W_hat (`triton_dequantize.dequantize`); the rank's input ⊙ suh / √128 (once per shard) times each chunk
+  by torch's matmul (cuBLAS on a GPU), rotated back ⊙ svh by torch, its valid columns written into the output;
+  padding zeroed.
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ class FusedTritonLinear:
             WORKSPACES.reserve(device, "linear_partial", self.split * BLOCK_M * self.partial_cols)
         self.dequant_min_rows = dequant_min_rows
         self.dense_tables = [matrix_table([s.layer], own_addresses([s.layer]), device) for s in self.shards]
+        # the fold's input scale, suh / √128 over the shard's input range (fp32: the input is scaled, then rounded)
+        self.input_scales = [(s.layer.suh.float() * PIECE**-0.5)[s.in_offset : s.in_offset + s.in_size].to(device)
+                             for s in self.shards]
         self.every_row = torch.ones(1, dtype=torch.int64, device=device)  # a dense linear's one matrix always qualifies
         itemsize = dtype.itemsize
         self.chunk_columns = [max(PIECE, dequant_workspace_bytes // (s.layer.in_features * itemsize) // PIECE * PIECE)
@@ -234,22 +238,23 @@ class FusedTritonLinear:
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _dequantized(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """out = had(rows @ W') ⊙ svh per shard: each shard decoded with its input side folded in (`dequantize`),
-        in chunks of its covered columns that fit the workspace; each chunk multiplied by torch's matmul, rotated
-        back (`hadamard_last`), ⊙ svh, and its valid columns written into the output; padding rows zeroed."""
+        """out = had((rows ⊙ suh / √128) @ W') ⊙ svh per shard: each shard decoded with its input rotation folded
+        in (`dequantize`), in chunks of its covered columns that fit the workspace; each chunk multiplied by torch's
+        matmul, rotated back (`hadamard_last`), ⊙ svh, and its valid columns written into the output; padding rows
+        zeroed."""
         w = WORKSPACES.take(self.device, WORKSPACE, (-(-self.workspace_elements * rows.element_size() // 4),))
         w = w.view(rows.dtype)
         base = 0
-        for shard, table, chunk in zip(self.shards, self.dense_tables, self.chunk_columns):
+        for shard, table, chunk, scale in zip(self.shards, self.dense_tables, self.chunk_columns, self.input_scales):
             layer = shard.layer
             lo, hi = shard.out_offset, shard.out_offset + shard.out_valid
             inputs = slice(shard.in_offset, shard.in_offset + shard.in_size)
+            scaled = (rows * scale).to(rows.dtype)
             for c0 in range(lo // PIECE * PIECE, hi, chunk):
                 columns = min(chunk, -(-hi // PIECE) * PIECE - c0)
-                dequantize(table, w, counts=self.every_row, min_rows=1, suh=layer.suh[None], n_first=c0,
-                           columns=columns)
+                dequantize(table, w, counts=self.every_row, min_rows=1, fold=True, n_first=c0, columns=columns)
                 decoded = w[: layer.in_features * columns].view(layer.in_features, columns)
-                y = hadamard_last(rows @ decoded[inputs]) * layer.svh[c0 : c0 + columns]
+                y = hadamard_last(scaled @ decoded[inputs]) * layer.svh[c0 : c0 + columns]
                 a, b = max(c0, lo), min(c0 + columns, hi)
                 out[:, base + a - lo : base + b - lo] = y[:, a - c0 : b - c0]
             if shard.out_rows > shard.out_valid:

@@ -4,10 +4,10 @@ blocks, as exllamav3 switches to dequantize-and-GEMM above 144 rows.
 The fused kernels (triton_moe.py) decode a piece of W_hat once per 16-row block: cheapest while an expert has few
 slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead decoded once per forward here:
 1. `triton_dequantize.dequantize`, three launches (gate, up, down) per chunk of experts: gate's and up's input
-   side folded in, W' = diag(suh) · H · W_hat, stored in fp16 for half-precision models; down as decoded (its input
-   is finished, rotated, by the gate/up epilogue, as in the fused path).
-2. `grouped_gate_up_kernel`: 32 slots of one expert times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the
-   epilogue (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input
+   rotation folded in, W' = H · W_hat, stored in fp16 for half-precision models; down as decoded (its input is
+   finished, rotated, by the gate/up epilogue, as in the fused path).
+2. `grouped_gate_up_kernel`: 32 slots of one expert, each A tile ⊙ suh / √128 (the fold's scale, per projection),
+   times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the epilogue (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input
    exactly where the fused gate/up kernel stores it.
 3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
    weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
@@ -35,6 +35,7 @@ from .triton_moe_steps import activation_args, activation_rows, store_activation
 GEMM_BLOCK_M = 32  # at 64 rows the epilogue rotations spill 24-292 B (sm_90, sm_120); at 32 none
 GEMM_BLOCK_K = 32
 _PIECE: tl.constexpr = tl.constexpr(PIECE)
+_RSQRT_128: tl.constexpr = tl.constexpr(PIECE**-0.5)
 
 
 @triton.jit
@@ -50,12 +51,12 @@ def _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M: tl.constexpr):
 @triton.jit
 def grouped_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
-    matrix_stride, size_k, size_n, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr, swiglu_limit, partial_ptr,
+    matrix_stride, size_k, size_n, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr, swiglu_limit, partial_ptr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP16: tl.constexpr,
     ROUTE_ON_INPUT: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
 ):
     """Down's finished input for this block's slots and the 128 intermediate channels n0.. (program (block,
-    n0 / 128)): x @ W'(gate) and x @ W'(up) from the workspace, finished by `store_activation`."""
+    n0 / 128)): (x ⊙ suh / √128) @ W' for gate and up, W' from the workspace, finished by `store_activation`."""
     matrix, rows, row_ok = _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M)
     if matrix >= 0:
         n0 = tl.program_id(1) * _PIECE
@@ -63,6 +64,8 @@ def grouped_gate_up_kernel(
         tokens = tl.where(row_ok, rows // TOP_K, 0)
         gate_w = w_ptr + (matrix - first).to(tl.int64) * matrix_stride
         up_w = gate_w + size_k * size_n
+        suh_gate = suh_gate_ptr + matrix * size_k
+        suh_up = suh_up_ptr + matrix * size_k
         route = tl.load(route_ptr + tokens * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok, other=0.0)
         acc_gate = tl.zeros((BLOCK_M, _PIECE), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, _PIECE), dtype=tl.float32)
@@ -72,8 +75,11 @@ def grouped_gate_up_kernel(
                         mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0).to(tl.float32)
             if ROUTE_ON_INPUT:
                 a = a * route.to(tl.float32)[:, None]
-            acc_gate = product(acc_gate, a, tl.load(gate_w + ks[:, None] * size_n + cols), DOT_FP16)
-            acc_up = product(acc_up, a, tl.load(up_w + ks[:, None] * size_n + cols), DOT_FP16)
+            a = a * _RSQRT_128
+            acc_gate = product(acc_gate, a * tl.load(suh_gate + ks).to(tl.float32)[None, :],
+                               tl.load(gate_w + ks[:, None] * size_n + cols), DOT_FP16)
+            acc_up = product(acc_up, a * tl.load(suh_up + ks).to(tl.float32)[None, :],
+                             tl.load(up_w + ks[:, None] * size_n + cols), DOT_FP16)
         store_activation(activation_rows(partial_ptr, rows, size_n, DOT_FP16), row_ok, n0, acc_gate, acc_up,
                          hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n, svh_up_ptr + matrix * size_n,
                          suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
@@ -107,13 +113,13 @@ def grouped_down_kernel(
                       svh_down_ptr + matrix * size_n, DOT_FP16, route)
 
 
-def _launch_gate_up(x, route, row_ids, block_matrix, first, chunk, w, matrix_stride, size_k, svh_gate, svh_up,
-                    suh_down, keep, swiglu_limit, partial, route_on_input, dot_fp16):
+def _launch_gate_up(x, route, row_ids, block_matrix, first, chunk, w, matrix_stride, size_k, suh_gate, suh_up,
+                    svh_gate, svh_up, suh_down, keep, swiglu_limit, partial, route_on_input, dot_fp16):
     size_n = svh_gate.shape[1]
     keep_ptr, limit, flags = activation_args(keep, swiglu_limit, partial)
     grouped_gate_up_kernel[(block_matrix.shape[0], size_n // PIECE)](
         x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), row_ids, block_matrix, first, chunk, w,
-        matrix_stride, size_k, size_n, svh_gate, svh_up, suh_down, keep_ptr, limit, partial,
+        matrix_stride, size_k, size_n, suh_gate, suh_up, svh_gate, svh_up, suh_down, keep_ptr, limit, partial,
         TOP_K=route.shape[1], BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=dot_fp16,
         ROUTE_ON_INPUT=route_on_input, **flags, num_warps=MATMUL_WARPS,
     )
@@ -133,7 +139,7 @@ def _launch_down(partial, route, row_ids, block_matrix, first, chunk, w, matrix_
 _BLOCKS = "Tensor row_ids, Tensor block_matrix, int first, int chunk, Tensor w, int matrix_stride"
 _gate_up = register_launch(
     "moe_grouped_gate_up_triton",
-    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor svh_gate, Tensor svh_up, Tensor suh_down, Tensor? keep, "
+    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor suh_down, Tensor? keep, "
     "float? swiglu_limit, Tensor(a!) partial, bool route_on_input, bool dot_fp16",
     _launch_gate_up,
 )
@@ -182,12 +188,11 @@ class DequantizedPrefill:
         for first in range(0, self.num_experts, self.chunk):
             for p, table in self.tables.items():
                 dequantize(table, w, counts=counts, min_rows=self.min_rows, first=first, chunk=self.chunk,
-                           offset=offsets[p], matrix_stride=self.matrix_stride,
-                           suh=s[(p, "suh")] if p != "down" else None, fill=fill.get(p))
+                           offset=offsets[p], matrix_stride=self.matrix_stride, fold=p != "down", fill=fill.get(p))
             blocks = (row_ids, block_matrix, first, self.chunk)
             _gate_up(x, topk_weights, *blocks, w, self.matrix_stride, self.tables["gate"].in_features,
-                     s[("gate", "svh")], s[("up", "svh")], s[("down", "suh")], self.keep_channels, self.swiglu_limit,
-                     partial, route_on_input, self.dot_fp16)
+                     s[("gate", "suh")], s[("up", "suh")], s[("gate", "svh")], s[("up", "svh")], s[("down", "suh")],
+                     self.keep_channels, self.swiglu_limit, partial, route_on_input, self.dot_fp16)
             _down(partial, topk_weights, *blocks, w[offsets["down"]:], self.matrix_stride, s[("down", "svh")], y,
                   route_on_input, self.dot_fp16)
 
@@ -195,18 +200,21 @@ class DequantizedPrefill:
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
     in the workspace): the two grouped GEMMs, which read no trellis (the report gives their registers, spills and
-    shared memory; triton_dequantize.py lists the decode)."""
+    shared memory; triton_dequantize.py lists the decode). Aligned at every launch: the workspace (its start, or
+    down's offset of two whole matrices), the stride of one expert's matrices and their sides (multiples of 128)."""
     blocks = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "row_ids_ptr": "*i32",
               "block_matrix_ptr": "*i32", "first": "i32", "chunk": "i32", "w_ptr": "*fp16", "matrix_stride": "i32",
               "size_k": "i32", "size_n": "i32"}
-    gate_up = {"x_ptr": "*fp16", "stride_xm": "i32", "hidden": "i32", **blocks, "svh_gate_ptr": "*fp16",
-               "svh_up_ptr": "*fp16", "suh_down_ptr": "*fp16", "keep_ptr": "*fp32", "swiglu_limit": "fp32",
-               "partial_ptr": "*fp32"}
+    gate_up = {"x_ptr": "*fp16", "stride_xm": "i32", "hidden": "i32", **blocks, "suh_gate_ptr": "*fp16",
+               "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16", "suh_down_ptr": "*fp16",
+               "keep_ptr": "*fp32", "swiglu_limit": "fp32", "partial_ptr": "*fp32"}
     down = {"partial_ptr": "*fp32", **blocks, "svh_down_ptr": "*fp16", "out_ptr": "*fp32"}
     gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
+    aligned = ("w_ptr", "matrix_stride", "size_k", "size_n")
     kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, gate_up | {"x_ptr": f"*{dtype}"},
-                            gemm | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None)
+                            gemm | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None,
+                            aligned=aligned)
                for dtype in ("fp16", "bf16")]
     kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, down, gemm, MATMUL_WARPS, 3, 0,
-                                trellis_arg=None))
+                                trellis_arg=None, aligned=aligned))
     return kernels

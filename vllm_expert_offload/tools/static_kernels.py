@@ -1,7 +1,8 @@
 """`bench-kernels --static`: the Triton backend's kernels compiled ahead of time for sm_90 and sm_120 on a machine
 without a GPU (Triton's compiler, the ptxas and nvdisasm Triton ships), and what the result says about them.
 
-Per target and kernel (kernels/static_spec.py says what a kernel module lists):
+Per target and kernel (kernels/static_spec.py says what a kernel module lists), compiled as the backend's launches
+specialise it (the arguments it always passes aligned to 16, `StaticKernel.aligned`):
 - `registers`, `spills` (spill store + load bytes): `ptxas -v` on the kernel's PTX with the flags Triton passes;
 - `shared_bytes`: the shared memory Triton requests at launch (the compiled kernel's metadata);
 - `trellis_load_bits`: the narrowest global load of trellis memory, found by address provenance (ptx_analysis.py:
@@ -47,15 +48,26 @@ def _triton_tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def _alignment_attrs(kernel: StaticKernel) -> dict[tuple[int], list]:
+    """The attributes Triton's launch gives the `aligned` arguments (ASTSource's `attrs`, keyed by position)."""
+    runtime = [name for name in kernel.signature if name not in kernel.constexprs]
+    wrong = [name for name in kernel.aligned if name not in runtime]
+    if wrong:
+        raise ValueError(f"{kernel.name}: aligned {wrong} are not runtime arguments of {runtime}")
+    return {(kernel.fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.aligned}
+
+
 def compile_kernel(kernel: StaticKernel, capability: int) -> Compiled:
-    """`triton.compile` of one StaticKernel for `capability` (90, 120): no GPU is touched."""
+    """`triton.compile` of one StaticKernel for `capability` (90, 120), specialised as the backend's launches
+    specialise it (`StaticKernel.aligned`): no GPU is touched."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     signature = dict(kernel.signature) | {name: "constexpr" for name in kernel.constexprs}
-    source = ASTSource(fn=kernel.fn, signature=signature, constexprs=dict(kernel.constexprs))
+    source = ASTSource(fn=kernel.fn, signature=signature, constexprs=dict(kernel.constexprs),
+                       attrs=_alignment_attrs(kernel))
     options = {"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, **kernel.options}
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return Compiled(compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.shared, get_ptxas(capability).path)
@@ -126,7 +138,7 @@ def ptxas_version() -> str:
 
 def _kernel_key(kernel: StaticKernel, capability: int) -> tuple:
     return (kernel.fn, tuple(sorted(kernel.signature.items())), tuple(sorted(kernel.constexprs.items())),
-            kernel.num_warps, kernel.num_stages, tuple(sorted(kernel.options.items())), capability)
+            kernel.num_warps, kernel.num_stages, tuple(sorted(kernel.options.items())), kernel.aligned, capability)
 
 
 def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
