@@ -38,10 +38,12 @@ _PIECE: tl.constexpr = tl.constexpr(PIECE)
 
 @triton.jit
 def fold_rows(lo, hi):
-    """H @ [lo; hi] (unnormalised) for the two (64, 128) fp16 halves of a decoded 128 x 128 piece, in fp32: H's left and
-    right column halves (`hadamard_signs` with COLS) times each half, exact ±1 products with fp32 accumulation (fp16
-    tensor cores on a GPU; fp32 in the interpreter, whose tl.dot reads bf16 as integers). (Row halves of the result
-    one at a time, S @ lo ± S @ hi, took more registers: 244-255 against 219-223, and spilled on sm_120.)"""
+    """H @ [lo; hi] (unnormalised) for the two (64, 128) fp16 halves of a decoded 128 x 128 piece, in fp32: H's left
+    and right column halves (`hadamard_signs` with COLS) times each half, exact ±1 products with fp32 accumulation
+    (fp16 tensor cores on a GPU; fp32 in the interpreter, whose tl.dot reads bf16 as integers). (H = [[S, S], [S, -S]]
+    would halve the products: t = S @ lo + S @ hi chained, then t - 2 S @ hi. Measured: sm_120 11.4 PTX / 11.8 SASS
+    per weight against 13.1 / 19.5, but sm_90 11.1 / 10.9 against 8.9 / 8.8, whose wgmma takes the 128-deep product
+    at once; the kernel is bound by its fp16 stores on both (docs/kernels.md), so one form serves both.)"""
     left = hadamard_signs(_PIECE, HALF, 0)
     right = hadamard_signs(_PIECE, HALF, HALF)
     if COMPILED:
@@ -55,7 +57,8 @@ def fold_rows(lo, hi):
 
 @triton.jit
 def dequantize_kernel(
-    trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, size_k, size_n, n_first, out_ptr, matrix_stride, out_stride,
+    trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, size_k, size_n,
+    n_first, out_ptr, matrix_stride, out_stride,
     TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, FILL: tl.constexpr,
 ):
     """out[slot, k, n - n_first] (row stride `out_stride`) for n in the program's piece n_first + 128·j, of matrix

@@ -7,8 +7,8 @@ slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead de
    rotation folded in, W' = H · W_hat, stored in fp16 for half-precision models; down as decoded (its input is
    finished, rotated, by the gate/up epilogue, as in the fused path).
 2. `grouped_gate_up_kernel`: 32 slots of one expert, each A tile ⊙ suh / √128 (the fold's scale, per projection),
-   times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the epilogue (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input
-   exactly where the fused gate/up kernel stores it.
+   times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the epilogue (`triton_moe_steps.store_activation`)
+   rotates both back, ⊙ svh, and stores down's finished input exactly where the fused gate/up kernel stores it.
 3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
    weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
 The workspace (triton_dequantize's, shared with dense linears) holds `chunk` experts; the three steps run once per
@@ -51,7 +51,8 @@ def _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M: tl.constexpr):
 @triton.jit
 def grouped_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
-    matrix_stride, size_k, size_n, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr, swiglu_limit, partial_ptr,
+    matrix_stride, size_k, size_n, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr,
+    swiglu_limit, partial_ptr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP16: tl.constexpr,
     ROUTE_ON_INPUT: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
 ):
@@ -139,8 +140,8 @@ def _launch_down(partial, route, row_ids, block_matrix, first, chunk, w, matrix_
 _BLOCKS = "Tensor row_ids, Tensor block_matrix, int first, int chunk, Tensor w, int matrix_stride"
 _gate_up = register_launch(
     "moe_grouped_gate_up_triton",
-    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor suh_down, Tensor? keep, "
-    "float? swiglu_limit, Tensor(a!) partial, bool route_on_input, bool dot_fp16",
+    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, "
+    "Tensor suh_down, Tensor? keep, float? swiglu_limit, Tensor(a!) partial, bool route_on_input, bool dot_fp16",
     _launch_gate_up,
 )
 _down = register_launch(
