@@ -48,6 +48,7 @@ class StaticKernel:
     options: Mapping[str, Any] = field(default_factory=dict)  # further triton.compile options, if any
     # Runtime arguments every launch of the backend passes aligned to 16: a pointer to 16-byte-aligned memory, an int
     # that is a multiple of 16. Triton's launch specialises a kernel on that (`tt.divisibility` 16, which lets it
-    # vectorise loads and stores), so the report compiles the variant the backend runs; the kernel's module says why
-    # each holds, and tests/kernels/test_triton_fused.py checks it on every launch of the backend's forwards.
+    # vectorise loads and stores), so the report compiles them so (a launch may specialise further, on what it
+    # happens to find aligned, which the report does not assume); the kernel's module says why each holds, and
+    # tests/kernels/test_triton_fused.py checks it on every launch of the backend's forwards.
     aligned: tuple[str, ...] = ()

@@ -123,8 +123,8 @@ def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, m
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
     stored): with the input rotation folded (a MoE's gate/up, a dense linear) and as decoded (a MoE's down).
-    Aligned at every launch: the output (the workspace's start, plus offsets and strides of whole matrices, whose
-    sides are multiples of 128) and the column offset and count (whole 128-wide pieces)."""
+    Aligned at every launch: the sides (multiples of 128, as EXL3 requires), the output (the workspace's start,
+    plus offsets and strides of whole matrices) and the column offset and count (whole 128-wide pieces)."""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     signature = {"trellis_table": "*i64", "twice_k_table": "*i32", "codebook_table": "*i32", "fill_table": "*i64",
                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32",
@@ -134,6 +134,6 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
         StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, signature,
                      dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, FILL=False), MATMUL_WARPS, 3,
                      PIECE * PIECE, trellis_arg="trellis_table",
-                     aligned=("out_ptr", "matrix_stride", "out_stride", "n_first"))
+                     aligned=("size_k", "size_n", "out_ptr", "matrix_stride", "out_stride", "n_first"))
         for label, fold in (("folded", True), ("plain", False))
     ]

@@ -25,7 +25,7 @@ from .triton_decode import COMPILED, decode_block
 
 PIECE = HADAMARD_BLOCK  # BLOCK_K = BLOCK_N of every fused kernel
 HALF: tl.constexpr = tl.constexpr(HADAMARD_BLOCK // 2)  # kernels hold a piece's 128-wide rows as two halves
-_RSQRT_128: tl.constexpr = tl.constexpr(128**-0.5)
+RSQRT_128: tl.constexpr = tl.constexpr(128**-0.5)
 MATMUL_WARPS = 8  # 256 threads per (BLOCK_M, 128) x (128, 128) piece product: 32 decoded weights per thread and half
 
 
@@ -85,7 +85,7 @@ def rotate(x, signs, DOT_FP16: tl.constexpr):
         x = x - term.to(tl.float32)
         term = x.to(tl.bfloat16)
         y = _signed_sum(term, signs, y)
-    return y * _RSQRT_128
+    return y * RSQRT_128
 
 
 @triton.jit

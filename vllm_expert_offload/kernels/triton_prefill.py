@@ -29,13 +29,12 @@ from .matrix_table import MatrixTable
 from .pointer_tables import ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
-from .triton_fused import MATMUL_WARPS, PIECE, WORKSPACES, hadamard_signs, product
+from .triton_fused import MATMUL_WARPS, PIECE, RSQRT_128, WORKSPACES, hadamard_signs, product
 from .triton_moe_steps import activation_args, activation_rows, store_activation, store_rotated
 
 GEMM_BLOCK_M = 32  # at 64 rows the epilogue rotations spill 24-292 B (sm_90, sm_120); at 32 none
 GEMM_BLOCK_K = 32
 _PIECE: tl.constexpr = tl.constexpr(PIECE)
-_RSQRT_128: tl.constexpr = tl.constexpr(PIECE**-0.5)
 
 
 @triton.jit
@@ -76,7 +75,7 @@ def grouped_gate_up_kernel(
                         mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0).to(tl.float32)
             if ROUTE_ON_INPUT:
                 a = a * route.to(tl.float32)[:, None]
-            a = a * _RSQRT_128
+            a = a * RSQRT_128
             acc_gate = product(acc_gate, a * tl.load(suh_gate + ks).to(tl.float32)[None, :],
                                tl.load(gate_w + ks[:, None] * size_n + cols), DOT_FP16)
             acc_up = product(acc_up, a * tl.load(suh_up + ks).to(tl.float32)[None, :],
