@@ -125,6 +125,7 @@ def test_wrong_trellis_argument_is_refused() -> None:
 def test_report_layout_and_todays_kernel(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(bench_kernels_cmd, "TRITON_KERNELS", f"{PROBES}:today_mul1")
     monkeypatch.setattr(bench_kernels_cmd, "estimate_kernel", lambda shape: "exl3_matmul[mul1,fp16]")
+    monkeypatch.setattr(bench_kernels_cmd, "dequantize_kernels", lambda shape: ("exl3_matmul[mul1,fp16]",) * 2)
     monkeypatch.setattr(static_report, "SHAPES", static_report.SHAPES[:1])
     out = tmp_path / "static.json"
     assert cli.main(["bench-kernels", "--static", "--json", str(out)]) == 0
@@ -138,9 +139,26 @@ def test_report_layout_and_todays_kernel(tmp_path, monkeypatch) -> None:
         assert facts["ptx_per_weight"] <= 10
         estimate = report["estimates"][target]["Qwen3-30B-A3B"]
         assert estimate["pcie_floor_us"] > estimate["hbm_floor_us"] > 0
+        prefill = report["dequantize_estimates"][target]["Qwen3-30B-A3B"]
+        assert prefill["bound"] in ("memory", "issue") and prefill["issue_us"] > 0 and prefill["memory_us"] > 0
     # the backend's fused kernels (issue #24): three launches per MoE forward up to 64 tokens, no torch op; a dense
     # linear in one (two where its input is split to fill a GPU; the CPU census never splits)
     assert report["launches"] == {"moe_1": 3, "moe_8": 3, "moe_64": 3, "dense_1": 1}
+
+
+def test_dequantize_estimate_is_issue_time_beside_memory_time() -> None:
+    """Exact arithmetic: one expert of 3 matrices 1024 x 512 at K=3 (2.375 bytes of traffic per weight) on a GPU of
+    1 SM at 1 GHz (128 thread-instructions per ns) and 1 GB/s (1 byte per ns)."""
+    gpu = static_report.Gpu("toy", sms=1, boost_ghz=1.0, hbm_gbs=1.0, pcie_gbs=1.0)
+    shape = LayerShape("toy", hidden=1024, intermediate=512, experts=1, top_k=1)
+    matrix = 1024 * 512
+    folded, plain = {"sass_per_weight": 20.0, "ptx_per_weight": 99.0}, {"sass_per_weight": 8.0, "ptx_per_weight": 99.0}
+    got = static_report.dequantize_estimate(shape, folded, plain, gpu)
+    assert got["issue_us"] == round(matrix * (2 * 20 + 8) / 128 / 1e3, 1)
+    assert got["memory_us"] == round(3 * matrix * 2.375 / 1e3, 1)
+    assert got["bound"] == "memory" and got["weights"] == 3 * matrix
+    slow = static_report.dequantize_estimate(shape, {"sass_per_weight": 1000.0}, plain, gpu)
+    assert slow["bound"] == "issue"  # 1 SM issuing 1,000 instructions per weight outlasts the memory
 
 
 def test_model_shapes_match_the_fixture_configs() -> None:

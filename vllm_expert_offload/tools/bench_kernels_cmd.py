@@ -7,7 +7,8 @@ would give, at 10x the memory). Reported in billions of weights per second, at 1
 
 With --static, no timing: the Triton backend's kernels compiled for sm_90 and sm_120 (no GPU needed), their
 registers, spills, shared memory, trellis load width and decode-loop instructions per weight, the launches of its
-forwards counted under Triton's interpreter, and an estimate of the decode time per MoE layer (tools/static_report.py).
+forwards counted under Triton's interpreter, and estimates of the decode time per MoE layer and of a prefill's
+decode-once kernel per expert (tools/static_report.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ TRITON_BACKEND = "vllm_expert_offload.kernels.triton_exl3:BACKEND"
 def estimate_kernel(shape) -> str:
     """The kernel whose facts the decode-time estimate uses: the MoE gate/up kernel's batch-1 variant."""
     return f"moe_gate_up[{shape.codebook},fp16,decode]"
+
+
+def dequantize_kernels(shape) -> tuple[str, str]:
+    """The decode-once kernel's variants a prefill's dense experts run: (gate and up, folded; down, plain)."""
+    return f"dequantize[{shape.codebook},folded]", f"dequantize[{shape.codebook},plain]"
 
 
 SHAPE = {"hidden": 2048, "intermediate": 768, "experts": 8, "k": 3}
@@ -97,6 +103,7 @@ def run_static(path: Path) -> int:
     launches = census_report(TRITON_BACKEND)
     report = {"targets": targets, "launches": launches}
     report["estimates"] = static_report.estimates(targets, launches, estimate_kernel)
+    report["dequantize_estimates"] = static_report.dequantize_estimates(targets, dequantize_kernels)
     report["shapes"] = static_report.shapes_json()
     report["ptxas"] = static_kernels.ptxas_version()
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

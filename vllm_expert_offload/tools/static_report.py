@@ -5,6 +5,8 @@ and from both an estimate of the decode time per MoE layer beside the memory flo
 The estimate is arithmetic on published GPU figures, not a measurement: the decode loop's SASS instructions per
 weight over the GPU's issue rate (4 warp-instructions per SM per clock, every SM busy), floored by the trellis bytes
 over HBM and over PCIe, plus ~2 µs per launch (a CUDA-graph node; issue #24's 0.2-0.3 ms per ~130 nodes).
+The same arithmetic for a prefill's decode-once kernel (triton_dequantize.py): one expert decoded into fp16, its
+issue time beside the time its memory traffic takes (trellis in, fp16 out), and which of the two bounds it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def estimate(shape: LayerShape, facts: dict, gpu: Gpu, launches: int) -> dict:
     weights = shape.top_k * 3 * shape.hidden * shape.intermediate
     trellis_bytes = weights * shape.k_bits / 8
     per_weight = facts["sass_per_weight"] or facts["ptx_per_weight"]
-    issue_us = weights * per_weight / 32 / (gpu.sms * 4 * gpu.boost_ghz * 1e3)
+    issue_us = _issue_us(weights * per_weight, gpu)
     hbm_us = trellis_bytes / (gpu.hbm_gbs * 1e3)
     pcie_us = trellis_bytes / (gpu.pcie_gbs * 1e3)
     return {
@@ -56,6 +58,32 @@ def estimate(shape: LayerShape, facts: dict, gpu: Gpu, launches: int) -> dict:
         "predicted_us": round(max(issue_us, hbm_us) + launches * LAUNCH_US, 1),
         "hbm_floor_us": round(hbm_us, 1), "pcie_floor_us": round(pcie_us, 1),
     }
+
+
+def _issue_us(weight_instructions: float, gpu: Gpu) -> float:
+    """µs to issue `weight_instructions` (weights x instructions per weight per thread) with every SM busy."""
+    return weight_instructions / 32 / (gpu.sms * 4 * gpu.boost_ghz * 1e3)
+
+
+def dequantize_estimate(shape: LayerShape, folded: dict, plain: dict, gpu: Gpu) -> dict:
+    """Estimated µs to decode one expert once into fp16 on `gpu` (gate and up with the input rotation folded,
+    `folded`'s facts; down as decoded, `plain`'s): the instructions' issue time beside the memory time of the
+    kernel's traffic (the trellis read, the fp16 weights written). Why: the folded variant is over issue #24's 10 PTX
+    per weight on sm_120, and whether that costs time depends on which of the two is longer."""
+    matrix = shape.hidden * shape.intermediate
+    per_weight = {name: f["sass_per_weight"] or f["ptx_per_weight"] for name, f in (("folded", folded),
+                                                                                      ("plain", plain))}
+    issue_us = _issue_us(matrix * (2 * per_weight["folded"] + per_weight["plain"]), gpu)
+    memory_us = 3 * matrix * (2 + shape.k_bits / 8) / (gpu.hbm_gbs * 1e3)
+    return {"gpu": gpu.name, "weights": 3 * matrix, "issue_us": round(issue_us, 1),
+            "memory_us": round(memory_us, 1), "bound": "memory" if memory_us >= issue_us else "issue"}
+
+
+def dequantize_estimates(targets: dict, kernel_names: Callable[[LayerShape], tuple[str, str]]) -> dict:
+    """Per target and model: `dequantize_estimate` of the (folded, plain) kernels `kernel_names(shape)` names."""
+    return {target: {shape.model: dequantize_estimate(
+        shape, *(targets[target]["kernels"][f"{shape.model}/{name}"] for name in kernel_names(shape)), gpu)
+        for shape in SHAPES} for target, gpu in GPUS.items()}
 
 
 def estimates(targets: dict, launches: dict, kernel_name: Callable[[LayerShape], str]) -> dict:
@@ -83,6 +111,10 @@ def summary_lines(report: dict) -> list[str]:
             lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one MoE layer at 1 token: {e['predicted_us']} µs "
                          f"(decode issue {e['decode_issue_us']} + launches {e['launch_us']}); floors: HBM "
                          f"{e['hbm_floor_us']} µs, PCIe {e['pcie_floor_us']} µs (all experts host-tier)")
+    for target, per_model in report["dequantize_estimates"].items():
+        for model, e in per_model.items():
+            lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one expert decoded once for a prefill (gate and up "
+                         f"folded): issue {e['issue_us']} µs, memory {e['memory_us']} µs: bound by {e['bound']}")
     return lines
 
 
