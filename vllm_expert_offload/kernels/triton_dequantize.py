@@ -6,8 +6,8 @@ forward beats the fused kernels' decode per 16-row block (exllamav3 switches to 
 - `FOLD`: W' = H · W_hat, unnormalised (one 128-deep product per weight with the exact ±1 signs, `fold_rows`), so
   (x ⊙ suh / √128) @ W' equals had(x ⊙ suh) @ W_hat: what a MoE's gate and up need, whose input differs per
   expert (rotating it per slot would copy the input top-k times), and a dense linear, which rotates its product
-  back. The scale diag(suh) / √128 is left to the product, which applies it to its input (the grouped GEMM to
-  each A tile, the linear to its rows): once per input element rather than per weight, and the decode loop keeps
+  back. The scale diag(suh) / √128 is left to the product (the grouped GEMM scales each A tile by suh and its
+  sums by 1 / √128, the linear its rows by both): per input element or output rather than per weight, and the decode loop keeps
   no vector load and no multiply per weight for it (sm_90 8.9 PTX per weight with it out, 11.0 with it in);
 - else W_hat as decoded (a MoE's down, whose input the gate/up epilogue rotates). (Folding the output side too,
   W' · H · diag(svh), spilled 520-6124 B: a second chained 128-deep product.)

@@ -6,8 +6,8 @@ slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead de
 1. `triton_dequantize.dequantize`, three launches (gate, up, down) per chunk of experts: gate's and up's input
    rotation folded in, W' = H · W_hat, stored in fp16 for half-precision models; down as decoded (its input is
    finished, rotated, by the gate/up epilogue, as in the fused path).
-2. `grouped_gate_up_kernel`: 32 slots of one expert, each A tile ⊙ suh / √128 (the fold's scale, per projection),
-   times W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`; the epilogue (`triton_moe_steps.store_activation`)
+2. `grouped_gate_up_kernel`: 32 slots of one expert, each A tile ⊙ suh (the fold's scale, per projection) times
+   W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`, the products / √128 once after the loop; the epilogue (`triton_moe_steps.store_activation`)
    rotates both back, ⊙ svh, and stores down's finished input exactly where the fused gate/up kernel stores it.
 3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
    weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
@@ -56,7 +56,7 @@ def grouped_gate_up_kernel(
     ROUTE_ON_INPUT: tl.constexpr, CLAMP: tl.constexpr, CROP: tl.constexpr,
 ):
     """Down's finished input for this block's slots and the 128 intermediate channels n0.. (program (block,
-    n0 / 128)): (x ⊙ suh / √128) @ W' for gate and up, W' from the workspace, finished by `store_activation`."""
+    n0 / 128)): (x ⊙ suh) @ W' / √128 for gate and up, W' from the workspace, finished by `store_activation`."""
     matrix, rows, row_ok = _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M)
     if matrix >= 0:
         n0 = tl.program_id(1) * _PIECE
@@ -75,13 +75,12 @@ def grouped_gate_up_kernel(
                         mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0).to(tl.float32)
             if ROUTE_ON_INPUT:
                 a = a * route.to(tl.float32)[:, None]
-            a = a * RSQRT_128
             acc_gate = product(acc_gate, a * tl.load(suh_gate + ks).to(tl.float32)[None, :],
                                tl.load(gate_w + ks[:, None] * size_n + cols), DOT_FP16)
             acc_up = product(acc_up, a * tl.load(suh_up + ks).to(tl.float32)[None, :],
                              tl.load(up_w + ks[:, None] * size_n + cols), DOT_FP16)
-        store_activation(activation_rows(partial_ptr, rows, size_n, DOT_FP16), row_ok, n0, acc_gate, acc_up,
-                         hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n, svh_up_ptr + matrix * size_n,
+        store_activation(activation_rows(partial_ptr, rows, size_n, DOT_FP16), row_ok, n0, acc_gate * RSQRT_128,
+                         acc_up * RSQRT_128, hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n, svh_up_ptr + matrix * size_n,
                          suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
 
 

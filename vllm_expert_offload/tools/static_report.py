@@ -48,8 +48,7 @@ def estimate(shape: LayerShape, facts: dict, gpu: Gpu, launches: int) -> dict:
     """Estimated µs of one MoE layer forward at 1 token (top_k experts' gate, up and down) on `gpu`."""
     weights = shape.top_k * 3 * shape.hidden * shape.intermediate
     trellis_bytes = weights * shape.k_bits / 8
-    per_weight = facts["sass_per_weight"] or facts["ptx_per_weight"]
-    issue_us = _issue_us(weights * per_weight, gpu)
+    issue_us = _issue_us(weights * _per_weight(facts), gpu)
     hbm_us = trellis_bytes / (gpu.hbm_gbs * 1e3)
     pcie_us = trellis_bytes / (gpu.pcie_gbs * 1e3)
     return {
@@ -58,6 +57,12 @@ def estimate(shape: LayerShape, facts: dict, gpu: Gpu, launches: int) -> dict:
         "predicted_us": round(max(issue_us, hbm_us) + launches * LAUNCH_US, 1),
         "hbm_floor_us": round(hbm_us, 1), "pcie_floor_us": round(pcie_us, 1),
     }
+
+
+def _per_weight(facts: dict) -> float:
+    """A kernel's decode-loop instructions per weight: SASS (what the GPU issues) where the report found the loop
+    in it, else PTX."""
+    return facts["sass_per_weight"] or facts["ptx_per_weight"]
 
 
 def _issue_us(weight_instructions: float, gpu: Gpu) -> float:
@@ -71,9 +76,7 @@ def dequantize_estimate(shape: LayerShape, folded: dict, plain: dict, gpu: Gpu) 
     kernel's traffic (the trellis read, the fp16 weights written). Why: the folded variant is over issue #24's 10 PTX
     per weight on sm_120, and whether that costs time depends on which of the two is longer."""
     matrix = shape.hidden * shape.intermediate
-    per_weight = {name: f["sass_per_weight"] or f["ptx_per_weight"] for name, f in (("folded", folded),
-                                                                                      ("plain", plain))}
-    issue_us = _issue_us(matrix * (2 * per_weight["folded"] + per_weight["plain"]), gpu)
+    issue_us = _issue_us(matrix * (2 * _per_weight(folded) + _per_weight(plain)), gpu)
     memory_us = 3 * matrix * (2 + shape.k_bits / 8) / (gpu.hbm_gbs * 1e3)
     return {"gpu": gpu.name, "weights": 3 * matrix, "issue_us": round(issue_us, 1),
             "memory_us": round(memory_us, 1), "bound": "memory" if memory_us >= issue_us else "issue"}
