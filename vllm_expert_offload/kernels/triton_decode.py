@@ -111,12 +111,16 @@ def _window(words, Q: tl.constexpr, TWICE_K: tl.constexpr):
 
 
 @triton.jit
-def _ring_states(words, Q0: tl.constexpr, N: tl.constexpr, TWICE_K: tl.constexpr):
-    """States of ring positions Q0..Q0+N-1 of each thread's group, joined into new minor axes (bit 0 of q first)."""
+def _ring_states(words, Q0: tl.constexpr, N: tl.constexpr, STEP: tl.constexpr, TWICE_K: tl.constexpr):
+    """States of ring positions Q0 + STEP·i (i < N) of each thread's group, joined into new minor axes, bit 0 of q
+    last: so the pairs fp16 code packs into one register (`_mul1`'s) are q0 = r0, two consecutive rows, which is the
+    pair a tensor-core operand register holds, and tl.dot stages the block without re-pairing halves (with q4 = r2
+    last, one more PTX instruction per weight in the fused kernels and the fold, docs/kernels.md)."""
     if N == 1:
         return _window(words, Q0, TWICE_K)
     else:
-        return tl.join(_ring_states(words, Q0, N // 2, TWICE_K), _ring_states(words, Q0 + N // 2, N // 2, TWICE_K))
+        return tl.join(_ring_states(words, Q0, N // 2, 2 * STEP, TWICE_K),
+                       _ring_states(words, Q0 + STEP, N // 2, 2 * STEP, TWICE_K))
 
 
 @triton.constexpr_function
@@ -168,25 +172,22 @@ def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK
                  BLOCK_N: tl.constexpr):
     """decode_block for one compile-time K."""
     if not _REGISTER_WINDOWS:
-        w = _codebook_value(_gathered_states(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N), codebook)
-        # axes (tk, tn, c2, c1, c0, q4=r2, q3=r1, q2=c3, q1=r3, q0=r0) -> (tk r3 r2 r1 r0, tn c3 c2 c1 c0)
-        w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
-        w = tl.permute(w, (0, 8, 5, 6, 9, 1, 7, 2, 3, 4))
-        return tl.reshape(w, (BLOCK_K, BLOCK_N))
-    words = group_words(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
-    if TWICE_K % 2 == 1:
-        # Odd groups start 16 bits into their first word: shift the thread's stream left by 16 (funnel shifts).
-        odd = (tl.arange(0, 8)[None, None, :] % 2) == 1
-        aligned = ()
-        for a in tl.static_range(group_span(TWICE_K) - 1):
-            aligned = aligned + (tl.where(odd, (words[a] << 16) | (words[a + 1] >> 16), words[a]),)
-        states = _ring_states(aligned, 0, 32, TWICE_K)
+        states = _gathered_states(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
     else:
-        states = _ring_states(words, 0, 32, TWICE_K)
-    w = _codebook_value(states, codebook)  # (tile row, tile column, g, q0, q1, q2, q3, q4)
+        words = group_words(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
+        if TWICE_K % 2 == 1:
+            # Odd groups start 16 bits into their first word: shift the thread's stream left by 16 (funnel shifts).
+            odd = (tl.arange(0, 8)[None, None, :] % 2) == 1
+            aligned = ()
+            for a in tl.static_range(group_span(TWICE_K) - 1):
+                aligned = aligned + (tl.where(odd, (words[a] << 16) | (words[a + 1] >> 16), words[a]),)
+            states = _ring_states(aligned, 0, 32, 1, TWICE_K)
+        else:
+            states = _ring_states(words, 0, 32, 1, TWICE_K)
+    w = _codebook_value(states, codebook)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
     # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
     w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
-    w = tl.permute(w, (0, 6, 9, 8, 5, 1, 7, 2, 3, 4))
+    w = tl.permute(w, (0, 8, 5, 6, 9, 1, 7, 2, 3, 4))
     return tl.reshape(w, (BLOCK_K, BLOCK_N))
 
 
