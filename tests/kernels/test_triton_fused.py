@@ -23,6 +23,8 @@ from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.expert_blocks import blocks_where, grouped_blocks, slot_counts
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
+from vllm_expert_offload.kernels import triton_dequantize
+from vllm_expert_offload.kernels.static_spec import LayerShape
 from vllm_expert_offload.kernels.triton_dequantize import WORKSPACE, dequantize
 from vllm_expert_offload.kernels.triton_fused import WORKSPACES
 from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
@@ -269,16 +271,17 @@ def test_dequantized_prefill_launches_a_fixed_set() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
     """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces):
-    plain, bit-exact with exl3.decode's W_hat; folded, H · W_hat (unnormalised) within the reference tolerance
-    (fp16: one rounding); a matrix below `min_rows` is left untouched."""
+    plain, bit-exact with exl3.decode's W_hat; folded in either form (split, whole), H · W_hat (unnormalised) within
+    the reference tolerance (fp16: one rounding); a matrix below `min_rows` is left untouched."""
     layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
     table = matrix_table(layers, own_addresses(layers), CPU)
     counts = torch.full((len(layers),), 5, dtype=torch.int64)
     counts[3] = 4  # below min_rows: not decoded
     stride = 128 * 256
-    for fold in (False, True):
+    for fold, split in ((False, True), (True, True), (True, False)):
         out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype)
-        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold)
+        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold,
+                   split=split)
         got = out.view(len(layers), 128, 256)
         assert got[3].isnan().all()
         for i, layer in enumerate(layers):
@@ -292,7 +295,21 @@ def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
             if dtype == torch.float32:
                 assert_close_to_reference(got[i], want)
             else:
-                torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+                torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
+                                           msg=lambda m: f"{ALL_RATES[i]} split={split}: {m}")
+
+
+def test_fold_form_follows_the_tensor_core_instruction() -> None:
+    """wgmma (sm_90) takes the fold's 128-deep product whole; mma.sync targets (and off a GPU) the split form; the
+    static report compiles, per target, the one form its launches take."""
+    assert [triton_dequantize.split_fold_for(c) for c in (80, 89, 90, 100, 120)] == [True, True, False, True, True]
+    assert triton_dequantize.split_fold(torch.device("cpu")) and triton_dequantize.split_fold(torch.device("meta"))
+    kernels = triton_dequantize.static_kernels(LayerShape("tiny", 128, 128, 4, 2))
+    for capability, split in ((90, False), (120, True)):
+        launched = [k for k in kernels if k.launched_on is None or k.launched_on(capability)]
+        assert [(k.name, k.constexprs["SPLIT"]) for k in launched if k.constexprs["FOLD"]] == [
+            ("dequantize[mul1,folded]", split)]
+        assert [k.name for k in launched if not k.constexprs["FOLD"]] == ["dequantize[mul1,plain]"]
 
 
 def test_slot_counts_and_blocks_split_between_the_two_paths() -> None:

@@ -220,10 +220,15 @@ def _strided(aligned: tuple[str, ...]) -> StaticKernel:
     )
 
 
+def _launched_on_sm_120(capability: int) -> bool:
+    return capability == 120
+
+
 def probe_kernels(shape: LayerShape) -> list[StaticKernel]:
+    sm_120_only = replace(_strided(()), name="strided[sm_120 only]", launched_on=_launched_on_sm_120)
     return [_probe(32, 0), _probe(16, 0), _probe(32, 10), _probe(32, 10, branch=True), _probe(32, 10, nested=True),
             _table(False), _table(True), _strided(()), _strided(("trellis_ptr",)),
-            _strided(("trellis_ptr", "stride"))] + legacy_kernel(shape)
+            _strided(("trellis_ptr", "stride")), sm_120_only] + legacy_kernel(shape)
 
 
 def today_mul1(shape: LayerShape) -> list[StaticKernel]:

@@ -109,6 +109,11 @@ def test_aligned_arguments_are_compiled_as_a_launch_specialises_them(probes, tar
     assert kernels["tiny/strided[trellis_ptr,stride]"]["trellis_load_bits"] == 128
 
 
+def test_a_variant_is_compiled_for_the_targets_that_launch_it(probes) -> None:
+    assert "tiny/strided[sm_120 only]" in probes["sm_120"]["kernels"]
+    assert "tiny/strided[sm_120 only]" not in probes["sm_90"]["kernels"]
+
+
 def test_aligned_names_must_be_runtime_arguments() -> None:
     kernel = StaticKernel("k", None, {"ptr": "*i16"}, {"BLOCK": 8}, 4, 1, 8, "ptr", aligned=("BLOCK",))
     with pytest.raises(ValueError, match=r"aligned \['BLOCK'\] are not runtime arguments"):

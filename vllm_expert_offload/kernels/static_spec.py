@@ -8,7 +8,7 @@ sm_90 and sm_120 (vllm_expert_offload/tools/static_kernels.py). Nothing here lau
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,3 +52,6 @@ class StaticKernel:
     # happens to find aligned, which the report does not assume); the kernel's module says why each holds, and
     # tests/kernels/test_triton_fused.py checks it on every launch of the backend's forwards.
     aligned: tuple[str, ...] = ()
+    # Which targets launch this variant (compute capability such as 90 or 120 -> bool), where a kernel takes a
+    # different form per target (triton_dequantize's fold); None: every target.
+    launched_on: Callable[[int], bool] | None = None

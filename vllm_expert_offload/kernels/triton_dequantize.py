@@ -3,12 +3,13 @@ forward beats the fused kernels' decode per 16-row block (exllamav3 switches to 
 
 `dequantize_kernel` stores, per (matrix, 128-wide output piece) program, the matrix's column of 128 x 128 pieces
 (`triton_decode.decode_block`, bit-exact) in the workspace's dtype, with the input rotation folded in where asked:
-- `FOLD`: W' = H · W_hat, unnormalised (one 128-deep product per weight with the exact ±1 signs, `fold_rows`), so
-  (x ⊙ suh / √128) @ W' equals had(x ⊙ suh) @ W_hat: what a MoE's gate and up need, whose input differs per
-  expert (rotating it per slot would copy the input top-k times), and a dense linear, which rotates its product
-  back. The scale diag(suh) / √128 is left to the product (the grouped GEMM scales each A tile by suh and its
-  sums by 1 / √128, the linear its rows by both): per input element or output rather than per weight, and the decode loop keeps
-  no vector load and no multiply per weight for it (sm_90 8.9 PTX per weight with it out, 11.0 with it in);
+- `FOLD`: W' = H · W_hat, unnormalised (products with the exact ±1 signs on tensor cores, fp32 accumulation, in the
+  form the target issues best: `store_folded`, chosen per device by `split_fold`), so (x ⊙ suh / √128) @ W'
+  equals had(x ⊙ suh) @ W_hat: what a MoE's gate and up need, whose input differs per expert (rotating it per
+  slot would copy the input top-k times), and a dense linear, which rotates its product back. The scale
+  diag(suh) / √128 is left to the product (the grouped GEMM scales each A tile by suh and its sums by 1 / √128,
+  the linear its rows by both): per input element or output rather than per weight, and the decode loop keeps no
+  vector load and no multiply per weight for it (sm_90 8.9 PTX per weight with it out, 11.0 with it in);
 - else W_hat as decoded (a MoE's down, whose input the gate/up epilogue rotates). (Folding the output side too,
   W' · H · diag(svh), spilled 520-6124 B: a second chained 128-deep product.)
 Which matrices qualify is read on the device (`counts` against `min_rows`), so the launch needs no host
@@ -18,6 +19,8 @@ built so vLLM's memory profile sees it; a layer whose matrices do not fit decode
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -37,29 +40,56 @@ _PIECE: tl.constexpr = tl.constexpr(PIECE)
 
 
 @triton.jit
-def fold_rows(lo, hi):
-    """H @ [lo; hi] (unnormalised) for the two (64, 128) fp16 halves of a decoded 128 x 128 piece, in fp32: H's left
-    and right column halves (`hadamard_signs` with COLS) times each half, exact ±1 products with fp32 accumulation
-    (fp16 tensor cores on a GPU; fp32 in the interpreter, whose tl.dot reads bf16 as integers). (H = [[S, S], [S, -S]]
-    would halve the products: t = S @ lo + S @ hi chained, then t - 2 S @ hi. Measured: sm_120 11.4 PTX / 11.8 SASS
-    per weight against 13.1 / 19.5, but sm_90 11.1 / 10.9 against 8.9 / 8.8, whose wgmma takes the 128-deep product
-    at once; the kernel is bound by its fp16 stores on both (docs/kernels.md), so one form serves both.)"""
-    left = hadamard_signs(_PIECE, HALF, 0)
-    right = hadamard_signs(_PIECE, HALF, HALF)
+def _operand_signs(N: tl.constexpr, COLS: tl.constexpr = 0, COL0: tl.constexpr = 0):
+    """`hadamard_signs` as a tl.dot operand: fp16 on a GPU (tensor cores), fp32 in the interpreter, whose tl.dot reads
+    bf16 as integers."""
+    signs = hadamard_signs(N, COLS, COL0)
     if COMPILED:
-        acc = tl.dot(left.to(tl.float16), lo)
-        acc = tl.dot(right.to(tl.float16), hi, acc)
+        return signs.to(tl.float16)
     else:
-        acc = tl.dot(left.to(tl.float32), lo.to(tl.float32), input_precision="ieee")
-        acc = tl.dot(right.to(tl.float32), hi.to(tl.float32), acc, input_precision="ieee")
-    return acc
+        return signs.to(tl.float32)
+
+
+@triton.jit
+def _signed_product(signs, w, acc):
+    """signs @ w + acc in fp32 for `_operand_signs` (or small multiples: every product exact) and fp16 weights."""
+    if COMPILED:
+        return tl.dot(signs, w, acc)
+    else:
+        return tl.dot(signs, w.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
+    """Stores H @ [lo; hi] (unnormalised) for the two (64, 128) halves of a decoded 128 x 128 piece, whose first
+    element `piece` points at (rows `out_stride` apart). H = [[S, S], [S, -S]] with S the 64 x 64 Sylvester matrix,
+    computed in the form the target's tensor cores issue best:
+    - SPLIT (mma.sync, one instruction per 16-deep step: sm_120, sm_8x): rows 0-63 = S·lo + S·hi, rows 64-127 = those
+      minus 2S·hi, three chained 64-deep products (3/4 of a 128-deep one's steps), the upper half stored before the
+      lower reuses its accumulator, S and -2S held in registers across the loop;
+    - else (wgmma, sm_90, which issues a 128-deep product whole): [S; S]·lo + [S; -S]·hi in one accumulator.
+    Measured: sm_120 9.4 PTX per weight split against 13.1 whole, sm_90 7.9 whole against 10.1 split
+    (docs/kernels.md)."""
+    rows = tl.arange(0, HALF)[:, None]
+    cols = tl.arange(0, _PIECE)[None, :]
+    if SPLIT:
+        signs = _operand_signs(HALF)
+        upper = _signed_product(signs, lo, _signed_product(signs, hi, None))
+        tl.store(piece + rows * out_stride + cols, upper.to(piece.dtype.element_ty))
+        lower = _signed_product(signs * -2.0, hi, upper)
+        tl.store(piece + (rows + HALF) * out_stride + cols, lower.to(piece.dtype.element_ty))
+    else:
+        acc = _signed_product(_operand_signs(_PIECE, HALF, 0), lo, None)
+        acc = _signed_product(_operand_signs(_PIECE, HALF, HALF), hi, acc)
+        every_row = tl.arange(0, _PIECE)[:, None]
+        tl.store(piece + every_row * out_stride + cols, acc.to(piece.dtype.element_ty))
 
 
 @triton.jit
 def dequantize_kernel(
     trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, size_k, size_n,
     n_first, out_ptr, matrix_stride, out_stride,
-    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, FILL: tl.constexpr,
+    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr, FILL: tl.constexpr,
 ):
     """out[slot, k, n - n_first] (row stride `out_stride`) for n in the program's piece n_first + 128·j, of matrix
     `first` + slot (program (slot, j)) where that matrix has at least `min_rows` rows (see the module docstring)."""
@@ -79,21 +109,35 @@ def dequantize_kernel(
                 lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE)
                 hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE)
                 if FOLD:
-                    rows = k0 + tl.arange(0, _PIECE)[:, None]
-                    tl.store(dst + rows * out_stride + cols, fold_rows(lo, hi).to(dst.dtype.element_ty))
+                    store_folded(lo, hi, dst + k0 * out_stride + n0 - n_first, out_stride, SPLIT)
                 else:
                     rows = k0 + tl.arange(0, HALF)[:, None]
                     tl.store(dst + rows * out_stride + cols, lo.to(dst.dtype.element_ty))
                     tl.store(dst + (rows + HALF) * out_stride + cols, hi.to(dst.dtype.element_ty))
 
 
-def _launch(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, fold, out, offset, matrix_stride, size_k,
-            size_n, n_first, columns, uniform_twice_k, uniform_codebook):
+def split_fold_for(capability: int) -> bool:
+    """Whether a device of compute `capability` (90, 120, ...) folds in the split form (`store_folded`): every target
+    but Hopper's, whose wgmma issues the 128-deep product whole."""
+    return capability // 10 != 9
+
+
+@functools.cache
+def split_fold(device: torch.device) -> bool:
+    """`split_fold_for` the device `device` is (off CUDA, as in the interpreter or on meta tensors: the split form)."""
+    if device.type != "cuda":
+        return True
+    major, minor = torch.cuda.get_device_capability(device)
+    return split_fold_for(10 * major + minor)
+
+
+def _launch(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, fold, split, out, offset, matrix_stride,
+            size_k, size_n, n_first, columns, uniform_twice_k, uniform_codebook):
     with_fill = fill is not None
     dequantize_kernel[(chunk, columns // PIECE)](
         trellis, twice_k, codebook, fill if with_fill else trellis, counts, min_rows, first, trellis.shape[0],
         size_k, size_n, n_first, out[offset:], matrix_stride, columns,
-        TWICE_K=uniform_twice_k, CODEBOOK=uniform_codebook, FOLD=fold, FILL=with_fill,
+        TWICE_K=uniform_twice_k, CODEBOOK=uniform_codebook, FOLD=fold, SPLIT=split, FILL=with_fill,
         num_warps=MATMUL_WARPS,
     )
 
@@ -101,7 +145,7 @@ def _launch(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, fo
 _dequantize = register_launch(
     "dequantize_triton",
     "Tensor trellis, Tensor twice_k, Tensor codebook, Tensor? fill, Tensor counts, int min_rows, int first, "
-    "int chunk, bool fold, Tensor(a!) out, int offset, int matrix_stride, int size_k, int size_n, "
+    "int chunk, bool fold, bool split, Tensor(a!) out, int offset, int matrix_stride, int size_k, int size_n, "
     "int n_first, int columns, int uniform_twice_k, int uniform_codebook",
     _launch,
 )
@@ -109,12 +153,14 @@ _dequantize = register_launch(
 
 def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, min_rows: int, first: int = 0,
                chunk: int = 1, offset: int = 0, matrix_stride: int = 0, fold: bool = False,
-               fill: torch.Tensor | None = None, n_first: int = 0, columns: int | None = None) -> None:
+               fill: torch.Tensor | None = None, n_first: int = 0, columns: int | None = None,
+               split: bool | None = None) -> None:
     """Matrices first .. first + chunk - 1 of `table` that have at least `min_rows` rows (`counts`, int64 per
     matrix), columns n_first .. n_first + columns - 1 (all by default, multiples of 128), into `out` (flat) from
     `offset` on, one matrix every `matrix_stride` elements, each (in_features, columns) row-major; `fold`: H · W_hat
-    rather than W_hat (module docstring)."""
-    _dequantize(table.trellis, table.twice_k, table.codebook, fill, counts, min_rows, first, chunk, fold, out,
+    rather than W_hat (module docstring), in the split form or not (`store_folded`; by default `out`'s device's)."""
+    split = split_fold(out.device) if split is None else split
+    _dequantize(table.trellis, table.twice_k, table.codebook, fill, counts, min_rows, first, chunk, fold, split, out,
                 offset, matrix_stride, table.in_features, table.out_features, n_first,
                 table.out_features - n_first if columns is None else columns, table.uniform_twice_k,
                 table.uniform_codebook)
@@ -130,10 +176,16 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32",
                  "size_k": "i32", "size_n": "i32", "n_first": "i32", "out_ptr": "*fp16",
                  "matrix_stride": "i32", "out_stride": "i32"}
+    forms = (("folded", True, True), ("folded", True, False), ("plain", False, True))
     return [
         StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, signature,
-                     dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, FILL=False), MATMUL_WARPS, 3,
-                     PIECE * PIECE, trellis_arg="trellis_table",
-                     aligned=("size_k", "size_n", "out_ptr", "matrix_stride", "out_stride", "n_first"))
-        for label, fold in (("folded", True), ("plain", False))
+                     dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, SPLIT=split, FILL=False),
+                     MATMUL_WARPS, 3, PIECE * PIECE, trellis_arg="trellis_table",
+                     aligned=("size_k", "size_n", "out_ptr", "matrix_stride", "out_stride", "n_first"),
+                     launched_on=None if not fold else functools.partial(_launches_split, split))
+        for label, fold, split in forms
     ]
+
+
+def _launches_split(split: bool, capability: int) -> bool:
+    return split_fold_for(capability) == split

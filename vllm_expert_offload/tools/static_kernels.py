@@ -150,6 +150,8 @@ def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], sha
         kernels = {}
         for shape in shapes:
             for kernel in kernels_for(shape):
+                if kernel.launched_on is not None and not kernel.launched_on(capability):
+                    continue
                 key = _kernel_key(kernel, capability)
                 if key not in done:
                     print(f"compiling {kernel.name} for {target}", file=sys.stderr, flush=True)
