@@ -68,8 +68,8 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
       minus 2S·hi, three chained 64-deep products (3/4 of a 128-deep one's steps), the upper half stored before the
       lower reuses its accumulator, S and -2S held in registers across the loop;
     - else (wgmma, sm_90, which issues a 128-deep product whole): [S; S]·lo + [S; -S]·hi in one accumulator.
-    Measured: sm_120 9.4 PTX per weight split against 13.1 whole, sm_90 7.9 whole against 10.1 split
-    (docs/kernels.md)."""
+    Measured: sm_120 9.4 PTX per weight split against 12.2 whole, sm_90 7.9 whole against 10.1 split
+    (docs/benchmarks.md)."""
     rows = tl.arange(0, HALF)[:, None]
     cols = tl.arange(0, _PIECE)[None, :]
     if SPLIT:
@@ -158,8 +158,9 @@ def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, m
     """Matrices first .. first + chunk - 1 of `table` that have at least `min_rows` rows (`counts`, int64 per
     matrix), columns n_first .. n_first + columns - 1 (all by default, multiples of 128), into `out` (flat) from
     `offset` on, one matrix every `matrix_stride` elements, each (in_features, columns) row-major; `fold`: H · W_hat
-    rather than W_hat (module docstring), in the split form or not (`store_folded`; by default `out`'s device's)."""
-    split = split_fold(out.device) if split is None else split
+    rather than W_hat (module docstring), in the split form or not (`store_folded`; by default `out`'s device's; a
+    plain launch is one variant everywhere)."""
+    split = fold and (split_fold(out.device) if split is None else split)
     _dequantize(table.trellis, table.twice_k, table.codebook, fill, counts, min_rows, first, chunk, fold, split, out,
                 offset, matrix_stride, table.in_features, table.out_features, n_first,
                 table.out_features - n_first if columns is None else columns, table.uniform_twice_k,
@@ -176,7 +177,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                  "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32",
                  "size_k": "i32", "size_n": "i32", "n_first": "i32", "out_ptr": "*fp16",
                  "matrix_stride": "i32", "out_stride": "i32"}
-    forms = (("folded", True, True), ("folded", True, False), ("plain", False, True))
+    forms = (("folded", True, True), ("folded", True, False), ("plain", False, False))
     return [
         StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, signature,
                      dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, SPLIT=split, FILL=False),
