@@ -15,15 +15,11 @@ import triton
 import triton.language as tl
 
 from vllm_expert_offload.exl3 import parse_linear
-from vllm_expert_offload.exl3.decode import rotated_weight
-from vllm_expert_offload.exl3.hadamard import hadamard_rows
 from vllm_expert_offload.exl3.naming import PROJECTIONS
-from vllm_expert_offload.kernels import triton_linear, triton_moe, triton_prefill
+from vllm_expert_offload.kernels import triton_dequantize, triton_linear, triton_moe, triton_prefill
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.expert_blocks import blocks_where, grouped_blocks, slot_counts
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
-from vllm_expert_offload.kernels import triton_dequantize
 from vllm_expert_offload.kernels.static_spec import LayerShape
 from vllm_expert_offload.kernels.triton_dequantize import WORKSPACE, dequantize
 from vllm_expert_offload.kernels.triton_fused import WORKSPACES
@@ -43,13 +39,13 @@ from support.meta_proof import (
     planted,
 )
 from support.moe_layers import (
-    ALL_RATES,
     CPU,
     FULL,
     HIDDEN,
     TIERS,
     NoHostSync,
     assert_close_to_reference,
+    assert_dequantize_every_rate,
     expert_sets,
     placed_moe,
     routing,
@@ -270,33 +266,7 @@ def test_dequantized_prefill_launches_a_fixed_set() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_every_rate_and_codebook(dtype: torch.dtype) -> None:
-    """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces):
-    plain, bit-exact with exl3.decode's W_hat; folded in either form (split, whole), H · W_hat (unnormalised) within
-    the reference tolerance (fp16: one rounding); a matrix below `min_rows` is left untouched."""
-    layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
-    table = matrix_table(layers, own_addresses(layers), CPU)
-    counts = torch.full((len(layers),), 5, dtype=torch.int64)
-    counts[3] = 4  # below min_rows: not decoded
-    stride = 128 * 256
-    for fold, split in ((False, True), (True, True), (True, False)):
-        out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype)
-        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold,
-                   split=split)
-        got = out.view(len(layers), 128, 256)
-        assert got[3].isnan().all()
-        for i, layer in enumerate(layers):
-            if i == 3:
-                continue
-            w_hat = rotated_weight(layer)
-            if not fold:
-                assert torch.equal(got[i], w_hat.to(dtype)), (ALL_RATES[i], fold)
-                continue
-            want = hadamard_rows(w_hat.float()) * 128**0.5
-            if dtype == torch.float32:
-                assert_close_to_reference(got[i], want)
-            else:
-                torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
-                                           msg=lambda m: f"{ALL_RATES[i]} split={split}: {m}")
+    assert_dequantize_every_rate(dtype, CPU)
 
 
 def test_fold_form_follows_the_tensor_core_instruction() -> None:

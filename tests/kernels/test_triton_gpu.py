@@ -9,7 +9,7 @@ import torch
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 from vllm_expert_offload.kernels.triton_moe import fused_moe
 
-from support.moe_layers import FULL, assert_close_to_reference, placed_moe, routing
+from support.moe_layers import FULL, assert_close_to_reference, assert_dequantize_every_rate, placed_moe, routing
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -26,6 +26,13 @@ def test_compiled_moe_matches_reference_with_host_tier_over_pcie(kernel, tokens:
     reference, triton, _ = placed_moe(FULL, kernel, device=CUDA)
     x, weights, ids = routing(tokens, seed=tokens, device=CUDA)
     assert_close_to_reference(triton.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_dequantize_in_both_fold_forms(dtype: torch.dtype) -> None:
+    """The decode-once kernel compiled, the fold's split and whole forms alike (one of which this GPU launches):
+    folded = H · W_hat, plain bit-exact, over every K and codebook (the interpreter runs the fp32 products only)."""
+    assert_dequantize_every_rate(dtype, CUDA)
 
 
 @pytest.mark.parametrize("tokens", [4, 32])

@@ -3,12 +3,15 @@ read-back through a launcher, and the host-synchronisation net used by every no-
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_expert_offload.exl3 import Exl3Linear, parse_linear
+from vllm_expert_offload.exl3.decode import rotated_weight
+from vllm_expert_offload.exl3.hadamard import hadamard_rows
 from vllm_expert_offload.exl3.naming import PROJECTIONS
 from vllm_expert_offload.kernels.contract import ExpertCrop, MoELayer
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks
@@ -16,6 +19,7 @@ from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedMoE
 from vllm_expert_offload.kernels.table_moe import TableMoE
+from vllm_expert_offload.kernels.triton_dequantize import dequantize
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 
@@ -23,6 +27,37 @@ from .layers import make_layer
 
 ALL_RATES = [(k, cb) for k in range(1, 9) for cb in ("3inst", "mcg", "mul1")] + [(k, "mul1") for k in (1.5, 2.5, 3.5)]
 CPU = torch.device("cpu")
+
+
+def assert_dequantize_every_rate(dtype: torch.dtype, device: torch.device) -> None:
+    """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces) on
+    `device`: plain, bit-exact with exl3.decode's W_hat; folded in either form (split, whole), H · W_hat
+    (unnormalised) within the reference tolerance (fp16: one rounding); a matrix below `min_rows` is left untouched."""
+    layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
+    placed = [dataclasses.replace(layer, trellis=layer.trellis.to(device)) for layer in layers]
+    table = matrix_table(placed, own_addresses(placed), device)
+    counts = torch.full((len(layers),), 5, dtype=torch.int64, device=device)
+    counts[3] = 4  # below min_rows: not decoded
+    stride = 128 * 256
+    for fold, split in ((False, None), (True, True), (True, False)):
+        out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype, device=device)
+        dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold,
+                   split=split)
+        got = out.view(len(layers), 128, 256).cpu()
+        assert got[3].isnan().all()
+        for i, layer in enumerate(layers):
+            if i == 3:
+                continue
+            w_hat = rotated_weight(layer)
+            if not fold:
+                assert torch.equal(got[i], w_hat.to(dtype)), (ALL_RATES[i], fold)
+                continue
+            want = hadamard_rows(w_hat.float()) * 128**0.5
+            if dtype == torch.float32:
+                assert_close_to_reference(got[i], want)
+            else:
+                torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
+                                           msg=lambda m: f"{ALL_RATES[i]} split={split}: {m}")
 
 
 def decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list[torch.Tensor]:

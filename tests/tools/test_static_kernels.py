@@ -114,6 +114,12 @@ def test_a_variant_is_compiled_for_the_targets_that_launch_it(probes) -> None:
     assert "tiny/strided[sm_120 only]" not in probes["sm_90"]["kernels"]
 
 
+def test_two_variants_of_one_name_on_one_target_are_refused() -> None:
+    twins = [StaticKernel("k", None, {"ptr": "*i16"}, {"BLOCK": block}, 4, 1, 8, "ptr") for block in (8, 16)]
+    with pytest.raises(ValueError, match=r"tiny on sm_90: more than one variant named \['k'\]"):
+        static_kernels.compile_targets(lambda shape: twins, [TINY])
+
+
 def test_aligned_names_must_be_runtime_arguments() -> None:
     kernel = StaticKernel("k", None, {"ptr": "*i16"}, {"BLOCK": 8}, 4, 1, 8, "ptr", aligned=("BLOCK",))
     with pytest.raises(ValueError, match=r"aligned \['BLOCK'\] are not runtime arguments"):

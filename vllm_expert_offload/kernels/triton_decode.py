@@ -115,7 +115,8 @@ def _ring_states(words, Q0: tl.constexpr, N: tl.constexpr, STEP: tl.constexpr, T
     """States of ring positions Q0 + STEP·i (i < N) of each thread's group, joined into new minor axes, bit 0 of q
     last: so the pairs fp16 code packs into one register (`_mul1`'s) are q0 = r0, two consecutive rows, which is the
     pair a tensor-core operand register holds, and tl.dot stages the block without re-pairing halves (with q4 = r2
-    last, one more PTX instruction per weight in the fused kernels and the fold, docs/kernels.md)."""
+    last, one more PTX instruction per weight in the fused kernels and the fold; the plain dequantize kernel, which
+    stores rows instead, re-pairs for its stores: 0.5 more, docs/kernels.md)."""
     if N == 1:
         return _window(words, Q0, TWICE_K)
     else:

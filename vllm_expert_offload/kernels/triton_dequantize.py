@@ -60,6 +60,13 @@ def _signed_product(signs, w, acc):
 
 
 @triton.jit
+def _upper_half(piece, out_stride):
+    """Pointers to the upper (64, 128) half of the 128 x 128 piece whose first element `piece` points at (rows
+    `out_stride` apart); the lower half's are these + 64 rows."""
+    return piece + tl.arange(0, HALF)[:, None] * out_stride + tl.arange(0, _PIECE)[None, :]
+
+
+@triton.jit
 def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
     """Stores H @ [lo; hi] (unnormalised) for the two (64, 128) halves of a decoded 128 x 128 piece, whose first
     element `piece` points at (rows `out_stride` apart). H = [[S, S], [S, -S]] with S the 64 x 64 Sylvester matrix,
@@ -70,19 +77,17 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
     - else (wgmma, sm_90, which issues a 128-deep product whole): [S; S]·lo + [S; -S]·hi in one accumulator.
     Measured: sm_120 9.4 PTX per weight split against 12.2 whole, sm_90 7.9 whole against 10.1 split
     (docs/benchmarks.md)."""
-    rows = tl.arange(0, HALF)[:, None]
-    cols = tl.arange(0, _PIECE)[None, :]
     if SPLIT:
         signs = _operand_signs(HALF)
         upper = _signed_product(signs, lo, _signed_product(signs, hi, None))
-        tl.store(piece + rows * out_stride + cols, upper.to(piece.dtype.element_ty))
+        tl.store(_upper_half(piece, out_stride), upper.to(piece.dtype.element_ty))
         lower = _signed_product(signs * -2.0, hi, upper)
-        tl.store(piece + (rows + HALF) * out_stride + cols, lower.to(piece.dtype.element_ty))
+        tl.store(_upper_half(piece, out_stride) + HALF * out_stride, lower.to(piece.dtype.element_ty))
     else:
         acc = _signed_product(_operand_signs(_PIECE, HALF, 0), lo, None)
         acc = _signed_product(_operand_signs(_PIECE, HALF, HALF), hi, acc)
-        every_row = tl.arange(0, _PIECE)[:, None]
-        tl.store(piece + every_row * out_stride + cols, acc.to(piece.dtype.element_ty))
+        every_row = tl.arange(0, _PIECE)[:, None] * out_stride + tl.arange(0, _PIECE)[None, :]
+        tl.store(piece + every_row, acc.to(piece.dtype.element_ty))
 
 
 @triton.jit
@@ -100,7 +105,6 @@ def dequantize_kernel(
             trellis, twice_k, codebook, fill = matrix_facts(trellis_table, twice_k_table, codebook_table, fill_table,
                                                             matrix, TWICE_K, CODEBOOK, FILL)
             n0 = n_first + tl.program_id(1) * _PIECE
-            cols = n0 - n_first + tl.arange(0, _PIECE)[None, :]
             dst = out_ptr + slot.to(tl.int64) * matrix_stride
             for k0 in range(0, size_k, _PIECE):
                 if FILL:
@@ -108,12 +112,12 @@ def dequantize_kernel(
                         write_through(trellis, fill, k0, n0, size_n, twice_k)
                 lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE)
                 hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE)
+                piece = dst + k0 * out_stride + n0 - n_first
                 if FOLD:
-                    store_folded(lo, hi, dst + k0 * out_stride + n0 - n_first, out_stride, SPLIT)
+                    store_folded(lo, hi, piece, out_stride, SPLIT)
                 else:
-                    rows = k0 + tl.arange(0, HALF)[:, None]
-                    tl.store(dst + rows * out_stride + cols, lo.to(dst.dtype.element_ty))
-                    tl.store(dst + (rows + HALF) * out_stride + cols, hi.to(dst.dtype.element_ty))
+                    tl.store(_upper_half(piece, out_stride), lo.to(dst.dtype.element_ty))
+                    tl.store(_upper_half(piece, out_stride) + HALF * out_stride, hi.to(dst.dtype.element_ty))
 
 
 def split_fold_for(capability: int) -> bool:
@@ -124,7 +128,8 @@ def split_fold_for(capability: int) -> bool:
 
 @functools.cache
 def split_fold(device: torch.device) -> bool:
-    """`split_fold_for` the device `device` is (off CUDA, as in the interpreter or on meta tensors: the split form)."""
+    """`split_fold_for` the device `device` is (off CUDA, as in the interpreter or on meta tensors: the split form);
+    `device` with its index, as a tensor's device has it (cached per device)."""
     if device.type != "cuda":
         return True
     major, minor = torch.cuda.get_device_capability(device)

@@ -141,6 +141,18 @@ def _kernel_key(kernel: StaticKernel, capability: int) -> tuple:
             kernel.num_warps, kernel.num_stages, tuple(sorted(kernel.options.items())), kernel.aligned, capability)
 
 
+def _launched(kernels: list[StaticKernel], shape: LayerShape, target: str, capability: int) -> list[StaticKernel]:
+    """The variants `target`'s launches take (`StaticKernel.launched_on`), refused where two share a name: the report
+    would keep one of them silently."""
+    launched = [k for k in kernels if k.launched_on is None or k.launched_on(capability)]
+    names = [k.name for k in launched]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{shape.model} on {target}: more than one variant named {repeated}; "
+                         "say which target launches each (StaticKernel.launched_on)")
+    return launched
+
+
 def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
     """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}; identical compiles are analysed once.
     In-process: Triton must not be running its interpreter here."""
@@ -149,9 +161,7 @@ def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], sha
     for target, capability in TARGETS.items():
         kernels = {}
         for shape in shapes:
-            for kernel in kernels_for(shape):
-                if kernel.launched_on is not None and not kernel.launched_on(capability):
-                    continue
+            for kernel in _launched(kernels_for(shape), shape, target, capability):
                 key = _kernel_key(kernel, capability)
                 if key not in done:
                     print(f"compiling {kernel.name} for {target}", file=sys.stderr, flush=True)

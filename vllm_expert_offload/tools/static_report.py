@@ -73,8 +73,8 @@ def _issue_us(weight_instructions: float, gpu: Gpu) -> float:
 def dequantize_estimate(shape: LayerShape, folded: dict, plain: dict, gpu: Gpu) -> dict:
     """Estimated µs to decode one expert once into fp16 on `gpu` (gate and up with the input rotation folded,
     `folded`'s facts; down as decoded, `plain`'s): the instructions' issue time beside the memory time of the
-    kernel's traffic (the trellis read, the fp16 weights written). Why: the folded variant is over issue #24's 10 PTX
-    per weight on sm_120, and whether that costs time depends on which of the two is longer."""
+    kernel's traffic (the trellis read, the fp16 weights written). Why: the kernel writes 2 bytes per weight, so its
+    instruction count costs time only where issuing them takes longer than the memory does."""
     matrix = shape.hidden * shape.intermediate
     issue_us = _issue_us(matrix * (2 * _per_weight(folded) + _per_weight(plain)), gpu)
     memory_us = 3 * matrix * (2 + shape.k_bits / 8) / (gpu.hbm_gbs * 1e3)
