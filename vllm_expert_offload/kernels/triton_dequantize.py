@@ -75,7 +75,7 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
       minus 2S·hi, three chained 64-deep products (3/4 of a 128-deep one's steps), the upper half stored before the
       lower reuses its accumulator, S and -2S held in registers across the loop;
     - else (wgmma, sm_90, which issues a 128-deep product whole): [S; S]·lo + [S; -S]·hi in one accumulator.
-    Measured: sm_120 9.4 PTX per weight split against 12.2 whole, sm_90 7.9 whole against 10.1 split
+    Measured: sm_120 9.3 PTX per weight split against 12.0 whole, sm_90 7.8 whole against 10.1 split
     (docs/benchmarks.md)."""
     if SPLIT:
         signs = _operand_signs(HALF)
