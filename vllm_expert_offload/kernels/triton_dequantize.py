@@ -60,10 +60,10 @@ def _signed_product(signs, w, acc):
 
 
 @triton.jit
-def _upper_half(piece, out_stride):
-    """Pointers to the upper (64, 128) half of the 128 x 128 piece whose first element `piece` points at (rows
-    `out_stride` apart); the lower half's are these + 64 rows."""
-    return piece + tl.arange(0, HALF)[:, None] * out_stride + tl.arange(0, _PIECE)[None, :]
+def _piece_rows(piece, out_stride, ROWS: tl.constexpr):
+    """Pointers to the first `ROWS` rows (128 wide, `out_stride` apart) of the piece whose first element `piece`
+    points at."""
+    return piece + (tl.arange(0, ROWS)[:, None] * out_stride + tl.arange(0, _PIECE)[None, :])
 
 
 @triton.jit
@@ -80,14 +80,13 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
     if SPLIT:
         signs = _operand_signs(HALF)
         upper = _signed_product(signs, lo, _signed_product(signs, hi, None))
-        tl.store(_upper_half(piece, out_stride), upper.to(piece.dtype.element_ty))
+        tl.store(_piece_rows(piece, out_stride, HALF), upper.to(piece.dtype.element_ty))
         lower = _signed_product(signs * -2.0, hi, upper)
-        tl.store(_upper_half(piece, out_stride) + HALF * out_stride, lower.to(piece.dtype.element_ty))
+        tl.store(_piece_rows(piece, out_stride, HALF) + HALF * out_stride, lower.to(piece.dtype.element_ty))
     else:
         acc = _signed_product(_operand_signs(_PIECE, HALF, 0), lo, None)
         acc = _signed_product(_operand_signs(_PIECE, HALF, HALF), hi, acc)
-        every_row = tl.arange(0, _PIECE)[:, None] * out_stride + tl.arange(0, _PIECE)[None, :]
-        tl.store(piece + every_row, acc.to(piece.dtype.element_ty))
+        tl.store(_piece_rows(piece, out_stride, _PIECE), acc.to(piece.dtype.element_ty))
 
 
 @triton.jit
@@ -116,8 +115,8 @@ def dequantize_kernel(
                 if FOLD:
                     store_folded(lo, hi, piece, out_stride, SPLIT)
                 else:
-                    tl.store(_upper_half(piece, out_stride), lo.to(dst.dtype.element_ty))
-                    tl.store(_upper_half(piece, out_stride) + HALF * out_stride, hi.to(dst.dtype.element_ty))
+                    tl.store(_piece_rows(piece, out_stride, HALF), lo.to(dst.dtype.element_ty))
+                    tl.store(_piece_rows(piece, out_stride, HALF) + HALF * out_stride, hi.to(dst.dtype.element_ty))
 
 
 def split_fold_for(capability: int) -> bool:

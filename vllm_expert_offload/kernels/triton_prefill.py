@@ -7,8 +7,8 @@ slots. An expert with at least `DEQUANT_MIN_ROWS` slots in a batch is instead de
    rotation folded in, W' = H · W_hat, stored in fp16 for half-precision models; down as decoded (its input is
    finished, rotated, by the gate/up epilogue, as in the fused path).
 2. `grouped_gate_up_kernel`: 32 slots of one expert, each A tile ⊙ suh (the fold's scale, per projection) times
-   W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`, the products / √128 once after the loop; the epilogue (`triton_moe_steps.store_activation`)
-   rotates both back, ⊙ svh, and stores down's finished input exactly where the fused gate/up kernel stores it.
+   W'(gate) and W'(up), K in steps of `GEMM_BLOCK_K`, the products / √128 once after the loop; the epilogue
+   (`triton_moe_steps.store_activation`) rotates both back, ⊙ svh, and stores down's finished input exactly where the fused gate/up kernel stores it.
 3. `grouped_down_kernel`: those rows times W_hat(down); the epilogue rotates back, ⊙ svh, times the router
    weight, into the per-slot outputs that the fused path fills for the other experts (one sum kernel follows).
 The workspace (triton_dequantize's, shared with dense linears) holds `chunk` experts; the three steps run once per
@@ -80,8 +80,8 @@ def grouped_gate_up_kernel(
             acc_up = product(acc_up, a * tl.load(suh_up + ks).to(tl.float32)[None, :],
                              tl.load(up_w + ks[:, None] * size_n + cols), DOT_FP16)
         store_activation(activation_rows(partial_ptr, rows, size_n, DOT_FP16), row_ok, n0, acc_gate * RSQRT_128,
-                         acc_up * RSQRT_128, hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n, svh_up_ptr + matrix * size_n,
-                         suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
+                         acc_up * RSQRT_128, hadamard_signs(_PIECE), svh_gate_ptr + matrix * size_n,
+                         svh_up_ptr + matrix * size_n, suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
 
 
 @triton.jit
