@@ -48,7 +48,7 @@ def _method() -> Exl3MoEMethod:
     method = Exl3MoEMethod.__new__(Exl3MoEMethod)
     method.kernel, method.expert_map, method.num_local_experts = _Kernel(), EXPERT_MAP, 4
     method.placement = SimpleNamespace(recording=False, tier_counters=TierCounters(1, torch.device("cpu")))
-    method.row, method.check_ranks = 0, False
+    method.row, method.check_ranks, method.cpu_tier = 0, False, None
     method.in_gpu_tier = torch.tensor([True, False, False, False])  # local expert 0 (global 4) in GPU memory
     method.expert_bytes = torch.full((4,), 100)
     method.apply_router_weight_on_input = False

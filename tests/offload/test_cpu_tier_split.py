@@ -51,7 +51,7 @@ def test_steps_above_max_tokens_stay_on_the_device():
 def test_the_split_makes_no_host_sync_on_meta():
     tier = TierSplit(CpuTierSettings(split="auto"), FAST_CPU, BYTES.to("meta"))
     tier.seconds_per_byte = tier.seconds_per_byte.to("meta")
-    on_cpu = tier.on_cpu(torch.empty(4, 2, dtype=torch.int64, device="meta"),
-                         torch.empty(5, dtype=torch.bool, device="meta"), torch.empty(5, dtype=torch.bool, device="meta"))
+    flags = torch.empty(5, dtype=torch.bool, device="meta")
+    on_cpu = tier.on_cpu(torch.empty(4, 2, dtype=torch.int64, device="meta"), flags, flags)
     device, cpu = split_ids(torch.empty(4, 2, dtype=torch.int64, device="meta"), on_cpu)
     assert on_cpu.shape == (5,) and device.shape == cpu.shape == (4, 2)

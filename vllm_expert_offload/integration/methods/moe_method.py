@@ -31,6 +31,7 @@ from ..startup.crash_line import install_crash_line
 from ..startup.data_parallel import install_dummy_batch_flag, own_rows
 from ..startup.profiling import install_profile_flag, spread_routing
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
+from .cpu_tier_step import build_cpu_tier_step
 from .op_targets import register_op_target
 from .rank_check import check_ranks_agree, checking_ranks
 
@@ -106,6 +107,14 @@ def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device
             "cannot be captured in CUDA graphs; start vLLM with --enforce-eager, or use "
             "--additional-config '{\"expert_offload\": {\"kernel\": \"triton\"}}'"
         )
+
+
+def _host_share() -> tuple[int, int]:
+    """(this worker's index, workers) among vLLM's workers on this host: each takes its share of the CPU tier's
+    automatic core list."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().local_rank, get_current_vllm_config().parallel_config.local_world_size
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
@@ -224,15 +233,18 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             self.cache = ExpertSlots(experts, tables, self.placement.cache, initial,
                                      self.placement.slot_bytes(self.layer_index), self.device,
                                      self.placement.tier_counters, self.row)
-        self.kernel = build_moe_kernel(self.kernels, MoELayer(
+        moe_layer = MoELayer(
             experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
             top_k=self.moe.experts_per_token, capture_rows=self.quant_config.capture_sizes(),
             cache=self.cache,
-        ))
+        )
+        self.kernel = build_moe_kernel(self.kernels, moe_layer)
         # What the read counters need each forward: which experts are in GPU memory now, and their sizes.
         self.in_gpu_tier = tables.in_gpu_tier
         self.expert_bytes = expert_trellis_bytes(experts, self.device)
+        self.cpu_tier = build_cpu_tier_step(self.placement, moe_layer, self.kernel, self.expert_bytes, self.row,
+                                            _host_share)
         self.check_ranks = self.cache is not None and checking_ranks()
         del self.placed
         self.placement.note_loading_peak(self.device)
@@ -257,14 +269,14 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if self.placement.recording and not dummy_batch():  # a DP engine's dummy batch carries no one's tokens
             dp_rank, dp_size = self.placement.dp_rank, self.placement.dp_size
             self.placement.record(self.layer_index, topk_ids if dp_size == 1 else own_rows(topk_ids, dp_rank, dp_size))
-        if self.expert_map is not None:
-            local = self.expert_map[topk_ids.long()]  # -1: another rank's expert, read (and counted) there
-            topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
-            self.placement.tier_counters.count_reads(self.row, local, self.in_gpu_tier, self.expert_bytes)
-            topk_ids = local.clamp(min=0)
+        # -1: another rank's expert, read (and counted) there
+        local = topk_ids.long() if self.expert_map is None else self.expert_map[topk_ids.long()].long()
+        if self.cpu_tier is not None and self.cpu_tier.active(x.shape[0]):
+            out = self.cpu_tier.forward(x, topk_weights, local, self.apply_router_weight_on_input)
         else:
-            self.placement.tier_counters.count_reads(self.row, topk_ids, self.in_gpu_tier, self.expert_bytes)
-        out = self.kernel.forward(x, topk_weights, topk_ids.long(), self.apply_router_weight_on_input)
+            self.placement.tier_counters.count_reads(self.row, local, self.in_gpu_tier, self.expert_bytes)
+            topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+            out = self.kernel.forward(x, topk_weights, local.clamp(min=0), self.apply_router_weight_on_input)
         if self.check_ranks:
             check_ranks_agree(self.op_name, self.cache.state_digest())
         return out
