@@ -169,6 +169,17 @@ def test_moe_slots_of_expert_minus_one_add_nothing(fake_ext, tokens: int) -> Non
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 9])
+def test_moe_output_is_contiguous_like_its_fake(fake_ext, dtype: torch.dtype, tokens: int) -> None:
+    """The layer's width (96) is padded to 128 inside: the output is still a contiguous (tokens, 96) tensor, as
+    the op's fake (kernels/ops.py) tells the compiler."""
+    layer = _layer(fake_ext)
+    x, weights, ids = _routing(tokens, top_k=2)
+    got = layer.forward(x.to(dtype), weights, ids, False)
+    assert got.shape == (tokens, HIDDEN - 32) and got.dtype == dtype and got.is_contiguous()
+
+
 def test_moe_router_weight_on_input(fake_ext) -> None:
     layer = _layer(fake_ext)
     x, weights, ids = _routing(3, top_k=1)

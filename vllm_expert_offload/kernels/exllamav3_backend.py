@@ -293,7 +293,9 @@ class Exllamav3MoE:
                              for s in range(0, tokens, MOE_ROWS)])
         if profiling() and not self.warm:
             self.warm_up(top_k)
-        return out[:, : self.hidden].to(x.dtype)
+        # Contiguous as exl3_moe's fake promises (kernels/ops.py): a padded width's slice of an fp32 output is a
+        # strided view, which `.to(float32)` would hand back as it is.
+        return out[:, : self.hidden].to(x.dtype).contiguous()
 
     def _launch(self, name: str, **arguments: object) -> None:
         with one_stream(self.device):
