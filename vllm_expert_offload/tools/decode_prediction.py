@@ -113,19 +113,19 @@ def time_steps(machine: Machine, model: DescribedModel, reads: StepReads, cpu_ti
     data_layers = reads.tokens.shape[1]
     nbytes = model.expert_bytes
     routed = reads.tokens > 0
-    hits = (routed & reads.resident).sum(-1)
+    hits = (routed & reads.resident).sum(-1).double()  # counts times bytes in float64 (int x float is float32)
     missed = routed & ~reads.resident
     written = missed & reads.filled
     table = torch.from_numpy(machine.cpu.cpu_seconds_per_byte(max(1, int(reads.tokens.max()))))
     if cpu_tier:
         on_cpu = balanced_cpu_split(table, machine.link_bytes_per_s, machine.cpu.cpu_overhead_s, reads.tokens,
                                     missed & ~reads.filled, torch.tensor(float(nbytes), dtype=torch.float64),
-                                    written.sum(-1, keepdim=True) * nbytes / machine.link_bytes_per_s)
+                                    written.sum(-1, keepdim=True).double() * nbytes / machine.link_bytes_per_s)
     else:
         on_cpu = torch.zeros_like(missed)
-    link = (missed & ~on_cpu).sum(-1)
+    link = (missed & ~on_cpu).sum(-1).double()
     cpu_s = torch.where(on_cpu, table[reads.tokens] * nbytes, 0.0).sum(-1)
-    cpu_s = cpu_s + torch.where(on_cpu.any(-1), machine.cpu.cpu_overhead_s, 0.0)
+    cpu_s = cpu_s + on_cpu.any(-1).double() * machine.cpu.cpu_overhead_s
     paths = torch.stack([hits * nbytes / machine.gpu_bytes_per_s, link * nbytes / machine.link_bytes_per_s, cpu_s])
     routed_s = paths.max(0).values
     bound = torch.bincount(paths.argmax(0).flatten(), minlength=3)
