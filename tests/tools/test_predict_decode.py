@@ -198,11 +198,11 @@ def test_predict_refuses_data_of_another_top_k() -> None:
 @pytest.fixture
 def trace_folder(tmp_path: Path) -> Path:
     """1 layer, 4 experts, top-2: held-out prompt 3 reads experts 0 and 1 for 10 tokens; the counts of prompts 1
-    and 2 favour 0 then 2, so a one-slot plan keeps expert 0."""
+    and 2 (calibration) favour expert 2, so a one-slot plan keeps 2, which the prompt never reads."""
     np.savez(tmp_path / "x_topk.npz", expert_ids=np.array([[[0, 1]]] * 10, dtype=np.uint8),
              prompt_offsets=np.array([0, 10]), prompt_ids=np.array([3]), moe_layer_ids=np.array([0]))
     counts = np.zeros((3, 1, 4), dtype=np.int64)
-    counts[0, 0], counts[1, 0], counts[2, 0] = [9, 0, 5, 0], [9, 0, 5, 1], [0, 50, 0, 0]
+    counts[0, 0], counts[1, 0], counts[2, 0] = [0, 0, 9, 1], [0, 0, 5, 0], [50, 50, 0, 0]
     np.savez(tmp_path / "x_per_prompt_counts.npz", counts=counts, prompt_ids=np.array([1, 2, 3]),
              moe_layer_ids=np.array([0]))
     return tmp_path
@@ -213,23 +213,24 @@ MACHINE_FLAGS = ["--gpu-gbs", "1", "--link-gbs", "0.1", "--cpu-gbs", "0.2", "--g
 
 
 def test_the_command_on_a_hand_made_trace(trace_folder: Path, tmp_path: Path, capsys) -> None:
-    """1 GiB experts; a 2 GiB budget over 2 layers: 1 slot per layer (25 %), expert 0 in it from the calibration.
-    Each token reads 0 (GPU memory: 1.07 s) and 1 (over the link: 10.7 s) per layer; LRU cannot install 1 (the one
-    slot holds 0, which the same step reads), so the cache equals the static plan; the tier computes 1 in 5.4 s."""
+    """1 GiB experts; a 2 GiB budget over 2 layers: 1 slot per layer (25 %), holding expert 2 (the calibration's).
+    A GiB takes 10.7 s over the link, 5.4 s on the CPU, 1.07 s from GPU memory. Zero-copy: both experts over the
+    link every token. The cache: the first token misses both and installs one (2 is not read, so it leaves), which
+    the other 9 tokens hit. The tier: the first token's installed miss stays on the link (write-through), the other
+    goes to the CPU; later tokens send their one miss to the CPU."""
     out = tmp_path / "out.json"
     assert main(["predict-decode", "--data", str(trace_folder), "--policy", "lru", *MACHINE_FLAGS,
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["slots_per_layer"], result["data_slots_per_layer"], result["tokens"]) == (1, 1, 10)
-    gib = 2**30
-    link_s, cpu_s = gib / 1e8, gib / 2e8
-    modes = result["modes"]
-    assert modes["zero_copy"]["ms_per_token"] == pytest.approx(1e3 * 2 * link_s)
-    assert modes["cache"]["ms_per_token"] == pytest.approx(1e3 * 2 * link_s)
-    assert modes["cache_cpu_tier"]["ms_per_token"] == pytest.approx(1e3 * 2 * cpu_s)
-    assert modes["cache_cpu_tier"]["tok_s"] == pytest.approx(1 / (2 * cpu_s))
-    assert modes["cache_cpu_tier"]["per_layer"] == {"gpu": 1.0, "link": 0.0, "cpu": 1.0, "fills": 0.0}
-    assert modes["zero_copy"]["gpu_read_share"] == 0.5
+    link, cpu = 2**30 / 1e8, 2**30 / 2e8
+    modes = result["modes"]  # per token: 2 described layers for the data's one
+    assert modes["zero_copy"]["ms_per_token"] == pytest.approx(1e3 * 2 * 2 * link)
+    assert modes["cache"]["ms_per_token"] == pytest.approx(1e3 * 2 * (2 * link + 9 * link) / 10)
+    assert modes["cache_cpu_tier"]["ms_per_token"] == pytest.approx(1e3 * 2 * (link + 9 * cpu) / 10)
+    assert modes["cache_cpu_tier"]["tok_s"] == pytest.approx(10 / (2 * (link + 9 * cpu)))
+    assert modes["cache_cpu_tier"]["per_layer"] == {"gpu": 0.9, "link": 0.1, "cpu": 1.0, "fills": 0.1}
+    assert (modes["zero_copy"]["gpu_read_share"], modes["cache"]["gpu_read_share"]) == (0.0, 0.45)
     assert "decode tok/s per stream" in capsys.readouterr().out
 
 
