@@ -1,15 +1,17 @@
-"""The CPU tier's step in a layer's forward, in process on the compiled CPU kernel: the device path and the tier
-together equal the device path alone (with and without the expert cache, whose policy must decide exactly as if
+"""The CPU tier's step in a layer's runtime forward (MoERuntime with the tier), in process on the compiled CPU
+kernel: the device path and the tier together equal the device path alone (with and without the expert cache, whose policy must decide exactly as if
 the device had read every miss), reads counted by tier, the tier's partial sums deterministic, and the probe."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vllm_expert_offload.integration.methods.cpu_tier_step import CpuTierStep
+from vllm_expert_offload.integration.methods.moe_runtime import MoERuntime
 from vllm_expert_offload.kernels import host_tier
 from vllm_expert_offload.kernels.contract import MoELayer
 from vllm_expert_offload.kernels.cpu_exl3 import BACKEND as CPU_BACKEND
@@ -44,12 +46,19 @@ def _layer(cache: CacheSettings | None = None) -> MoELayer:
     return MoELayer(experts, tables, scales, arena, FULL, torch.float32, CPU, top_k=2, cache=slots)
 
 
-def _step(layer: MoELayer, split: str, rates: TierRates = FAST_CPU) -> tuple[CpuTierStep, tier_counters.TierCounters]:
+def _step(layer: MoELayer, split: str, rates: TierRates = FAST_CPU) -> tuple[MoERuntime, tier_counters.TierCounters]:
+    """The layer's runtime with the tier: the compiled CPU kernel as the device path, counters of one layer."""
     counters = tier_counters.TierCounters(1, CPU)
     nbytes = expert_trellis_bytes(layer.experts, CPU)
-    step = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), CPU_BACKEND.build_moe(layer),
-                       build_host_tier(layer), layer.cache, layer.tables.in_gpu_tier, nbytes, counters, 0)
-    return step, counters
+    tier = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), build_host_tier(layer), layer.cache,
+                       layer.tables.in_gpu_tier, counters, 0)
+    runtime = MoERuntime(
+        op_name="model.layers.0.mlp.experts.exl3", layer_index=0, counter_row=0, geometry=None, tables=layer.tables,
+        expert_bytes=nbytes, kernel=CPU_BACKEND.build_moe(layer), cache=layer.cache,
+        placement=SimpleNamespace(recording=False, tier_counters=counters), expert_map=None,
+        num_local_experts=len(layer.experts), apply_router_weight_on_input=False, check_ranks=False, cpu_tier=tier,
+    )
+    return runtime, counters
 
 
 def _routing(tokens: int, seed: int):
@@ -66,9 +75,9 @@ def test_both_tiers_equal_the_device_path_alone_and_count_cpu_reads(split: str) 
     host = torch.tensor([not g for g in TIERS])
     for tokens, seed in ((1, 1), (3, 2), (7, 3)):  # 7: not a power of two
         x, weights, ids = _routing(tokens, seed)
-        got = step.forward(x, weights, ids, False)
+        got = step.forward(x, weights, ids)
         assert_close_to_reference(got, device_only.forward(x, weights, ids, False))
-        assert torch.equal(got, step.forward(x, weights, ids, False))  # deterministic for a given split
+        assert torch.equal(got, step.forward(x, weights, ids))  # deterministic for a given split
     row = counters.counts[0]
     assert int(row[tier_counters.CPU_READS]) > 0 and int(row[tier_counters.HOST_READS]) == 0
     assert int(row[tier_counters.GPU_READS]) + int(row[tier_counters.CPU_READS]) == 2 * 2 * (1 + 3 + 7)
@@ -81,7 +90,7 @@ def test_a_slower_cpu_leaves_every_read_on_the_device() -> None:
     step, counters = _step(layer, "auto", SLOW_CPU)
     x, weights, ids = _routing(5, 4)
     want = CPU_BACKEND.build_moe(layer).forward(x, weights, ids, False)
-    assert torch.equal(step.forward(x, weights, ids, False), want)
+    assert torch.equal(step.forward(x, weights, ids), want)
     assert int(counters.counts[0, tier_counters.CPU_READS]) == 0 and int(counters.counts[0, tier_counters.HOST_READS])
 
 
@@ -91,7 +100,7 @@ def test_other_ranks_entries_stay_out_of_both_tiers() -> None:
     x, weights, ids = _routing(4, 5)
     ids[:, 1] = -1  # expert parallelism: the second choice of every token is another rank's expert
     want = CPU_BACKEND.build_moe(layer).forward(x, torch.where(ids >= 0, weights, 0.0), ids.clamp(min=0), False)
-    assert_close_to_reference(step.forward(x, weights, ids, False), want)
+    assert_close_to_reference(step.forward(x, weights, ids), want)
     reads = counters.counts[0]
     assert int(reads[tier_counters.GPU_READS] + reads[tier_counters.HOST_READS] + reads[tier_counters.CPU_READS]) == 4
 
@@ -117,7 +126,7 @@ def test_the_cache_decides_as_if_the_device_read_every_miss() -> None:
     plain = CPU_BACKEND.build_moe(plain_layer)
     for tokens, seed in ((1, 6), (2, 7), (1, 8), (5, 9), (1, 10), (3, 11)):
         x, weights, ids = _routing(tokens, seed)
-        got = step.forward(x, weights, ids, False)
+        got = step.forward(x, weights, ids)
         assert_close_to_reference(got, plain.forward(x, weights, ids, False))
         assert torch.equal(tiered_layer.cache.policy.slot_of_expert, plain_layer.cache.policy.slot_of_expert)
         assert torch.equal(tiered_layer.tables.in_gpu_tier, plain_layer.tables.in_gpu_tier)

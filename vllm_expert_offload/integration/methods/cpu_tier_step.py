@@ -1,9 +1,10 @@
 """The CPU expert tier's step in a MoE layer's forward (issue 41, `expert_offload.cpu_tier`).
 
-After the expert cache's step (which sees every routed expert: a CPU-computed expert is still a miss its policy
-counts), the split (offload/cpu_tier.py) picks the host-resident misses the host cores compute; the device kernel
-gets the other entries, the CPU tier (kernels/host_tier.py) its own, and the two partial sums are added, the
-device's first (a fixed order: deterministic for a given split). Each TP rank computes its own shard of a miss
+One named step of the layer's runtime (moe_runtime.py `_start_cpu_tier`, ahead of the read counters and the
+kernel): the expert cache's policy steps on every routed expert (a CPU-computed expert is still a miss it counts),
+the split (offload/cpu_tier.py) picks the host-resident misses the host cores compute, and the CPU tier
+(kernels/host_tier.py) computes them; the device kernel then gets the other entries (the tier's are -1 there), and
+the runtime adds the two partial sums, the device's first (a fixed order: deterministic for a given split). Each TP rank computes its own shard of a miss
 from its own host record; under expert parallelism another rank's entry (-1) stays -1 in both tiers.
 
 Made once per layer at load. The process's first layer with a host-resident expert resolves the tier's cores
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.contract import MoEKernel, MoELayer
+from ...kernels.contract import MoELayer
 from ...kernels.expert_slots import ExpertSlots
 from ...kernels.host_tier import HostTier, build_host_tier, probe_rates
 from ...memory.tier_cpus import TierCpus, tier_cpus
@@ -39,35 +40,40 @@ SPLIT_RULES = {
 
 @dataclass(frozen=True)
 class CpuTierStep:
-    """One layer's split, device kernel and CPU tier, and what they read each forward."""
+    """One layer's split and CPU tier, and what the split reads each forward."""
 
     split: TierSplit
-    kernel: MoEKernel  # the layer's device path (its cache's launches included)
     tier: HostTier
     cache: ExpertSlots | None
     resident: torch.Tensor  # bool (E,): the layer's pointer tables' in_gpu_tier (a cache updates it in place)
-    expert_bytes: torch.Tensor  # int64 (E,): trellis bytes of each expert (read counters)
     counters: TierCounters
     row: int
 
-    def active(self, tokens: int) -> bool:
-        return self.split.active(tokens)
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
-        """Both tiers' sum for this rank's local ids (-1: another rank's expert): the cache steps on every tier's
-        ids, the split, reads counted by tier, the device path on its entries (the other entries weighted 0 on
-        expert 0 until every backend skips -1, issue 38 item 6), the CPU tier on its own, timed."""
+    def start(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
+              apply_router_weight_on_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the device path's ids, the CPU tier's partial sum or None) for this rank's local ids (-1: another
+        rank's expert). A step above max_tokens stays on the device whole. Otherwise the cache steps on every
+        tier's ids (a CPU-computed expert is still a miss its policy sees), the split hands the tier its
+        experts (-1 in the device's ids), its entries are counted as CPU reads, and the tier computes them,
+        timed as its busy time."""
+        if not self.split.active(x.shape[0]):
+            return local_ids, None
         filled = None if self.cache is None else self.cache.decide(local_ids)
         device_ids, cpu_ids = split_ids(local_ids, self.split.on_cpu(local_ids, self.resident, filled))
-        self.counters.count_reads(self.row, device_ids, self.resident, self.expert_bytes)
         self.counters.count_cpu_reads(self.row, cpu_ids)
-        device_weights = torch.where(device_ids >= 0, topk_weights, torch.zeros_like(topk_weights))
-        out = self.kernel.forward(x, device_weights, device_ids.clamp(min=0), apply_router_weight_on_input)
         began = time.perf_counter()
         partial = self.tier.forward(x, topk_weights, cpu_ids, apply_router_weight_on_input)
         self.counters.add_cpu_busy(self.row, time.perf_counter() - began)
-        return out + partial
+        return device_ids, partial
+
+
+def host_share() -> tuple[int, int]:
+    """(this worker's index, workers) among vLLM's workers on this host: each takes its share of the CPU tier's
+    automatic core list."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().local_rank, get_current_vllm_config().parallel_config.local_world_size
 
 
 def _engine_bound(device: torch.device) -> set[int]:
@@ -91,8 +97,8 @@ def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: 
                      _engine_bound(device), share)
 
 
-def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, kernel: MoEKernel, expert_bytes: torch.Tensor,
-                        row: int, share: Callable[[], tuple[int, int]]) -> CpuTierStep | None:
+def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
+                        share: Callable[[], tuple[int, int]] = host_share) -> CpuTierStep | None:
     """The layer's CPU tier step, or None without `cpu_tier` or without a host-resident expert in the layer.
     `share`: (this worker's index, workers) on this host, asked only when the tier's cores are resolved."""
     settings = placement.options.cpu_tier
@@ -112,5 +118,5 @@ def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, kernel: Mo
         return rates
 
     rates = placement.tier_rates(probe)
-    return CpuTierStep(TierSplit(settings, rates, expert_bytes), kernel, tier, layer.cache, layer.tables.in_gpu_tier,
-                       expert_bytes, placement.tier_counters, row)
+    return CpuTierStep(TierSplit(settings, rates, expert_bytes), tier, layer.cache, layer.tables.in_gpu_tier,
+                       placement.tier_counters, row)
