@@ -5,6 +5,7 @@ the device had read every miss), reads counted by tier, the tier's partial sums 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,12 @@ from vllm_expert_offload.integration.methods.moe_runtime import MoERuntime
 from vllm_expert_offload.kernels import host_tier
 from vllm_expert_offload.kernels.contract import MoELayer
 from vllm_expert_offload.kernels.cpu_exl3 import BACKEND as CPU_BACKEND
+from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_slots import ExpertSlots, expert_trellis_bytes
 from vllm_expert_offload.kernels.host_tier import build_host_tier, probe_counts, probe_rates
 from vllm_expert_offload.kernels.oracle import BackendUnavailable
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
+from vllm_expert_offload.kernels.rotated import RotatedMoE
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.offload import counters as tier_counters
 from vllm_expert_offload.offload.cache_policy import CacheSettings
@@ -26,6 +29,8 @@ from vllm_expert_offload.offload.cpu_tier import CpuTierSettings, TierSplit
 from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert, record_layout
 from vllm_expert_offload.placement.cost import TierRates
 
+from support.host_jobs import MAX_TOKENS, meta_tier
+from support.meta_proof import META, forward_on_meta, meta_moe_layer, meta_routing
 from support.moe_layers import CPU, FULL, HIDDEN, TIERS, assert_close_to_reference, expert_sets
 
 FAST_CPU = TierRates(((1, 1e15),), device_bytes_per_s=1.0)  # "auto" then takes every candidate
@@ -50,7 +55,7 @@ def _step(layer: MoELayer, split: str, rates: TierRates = FAST_CPU) -> tuple[MoE
     """The layer's runtime with the tier: the compiled CPU kernel as the device path, counters of one layer."""
     counters = tier_counters.TierCounters(1, CPU)
     nbytes = expert_trellis_bytes(layer.experts, CPU)
-    tier = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), build_host_tier(layer), layer.cache,
+    tier = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), build_host_tier(layer, False, functools.partial(counters.add_cpu_busy, 0)), layer.cache,
                        layer.tables.in_gpu_tier, counters, 0)
     runtime = MoERuntime(
         op_name="model.layers.0.mlp.experts.exl3", layer_index=0, counter_row=0, geometry=None, tables=layer.tables,
@@ -134,10 +139,32 @@ def test_the_cache_decides_as_if_the_device_read_every_miss() -> None:
     assert int(counters.counts[0, tier_counters.CPU_READS]) > 0
 
 
+@pytest.mark.parametrize("split", ["all", "auto"])
+def test_a_layers_forward_with_the_tier_on_runs_with_every_tensor_on_meta(split: str) -> None:
+    """The runtime's steps (cache-less split, CPU reads counted, the stream tier's job, device kernel, add)."""
+    layer = meta_moe_layer(expert_sets(0), FULL)
+    counters = tier_counters.TierCounters(1, META)
+    nbytes = expert_trellis_bytes(layer.experts, META)
+    rates = TierRates(((1, 1e9), (8, 4e9)), device_bytes_per_s=2e9)
+    tier, order = meta_tier()
+    runtime = MoERuntime(
+        op_name="model.layers.0.mlp.experts.exl3", layer_index=0, counter_row=0, geometry=None, tables=layer.tables,
+        expert_bytes=nbytes, kernel=RotatedMoE(layer.experts, layer.tables, layer.scales, None, FULL, META, CPU_MATMUL),
+        cache=None, placement=SimpleNamespace(recording=False, tier_counters=counters), expert_map=None,
+        num_local_experts=len(layer.experts), apply_router_weight_on_input=False, check_ranks=False,
+        cpu_tier=CpuTierStep(TierSplit(CpuTierSettings(split=split, max_tokens=MAX_TOKENS), rates, nbytes), tier,
+                             None, layer.tables.in_gpu_tier, counters, 0),
+    )
+    assert forward_on_meta(runtime.forward, *meta_routing(3, 2, HIDDEN)).shape == (3, HIDDEN)
+    assert len(order.launches) == 1 and counters.counts[0, tier_counters.CPU_READS].device == META
+    forward_on_meta(runtime.forward, *meta_routing(MAX_TOKENS + 1, 2, HIDDEN))  # above max_tokens: no job
+    assert len(order.launches) == 1
+
+
 def test_probe_measures_each_count_within_its_budget() -> None:
     assert probe_counts(64) == [1, 2, 4, 8, 16, 32, 64] and probe_counts(6) == [1, 2, 4, 6] and probe_counts(1) == [1]
     layer = _layer()
-    tier = build_host_tier(layer)
+    tier = build_host_tier(layer, False, lambda seconds: None)
     host_expert = TIERS.index(False)
     nbytes = int(expert_trellis_bytes(layer.experts, CPU)[host_expert])
     rates = probe_rates(tier, host_expert, nbytes, HIDDEN, torch.float32, CpuTierSettings(max_tokens=6), budget_s=1e3)
@@ -149,8 +176,8 @@ def test_probe_measures_each_count_within_its_budget() -> None:
 
 def test_a_tier_off_the_cpu_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(BackendUnavailable, match=r"expert_offload\.cpu_tier: on cuda"):
-        build_host_tier(MoELayer([], None, None, None, FULL, torch.float32, torch.device("cuda")))
+        build_host_tier(MoELayer([], None, None, None, FULL, torch.float32, torch.device("cuda")), False, print)
     monkeypatch.setattr(host_tier, "CPU_BACKEND", dataclasses.replace(CPU_BACKEND, unavailable=lambda d: "no compiler"))
     with pytest.raises(BackendUnavailable, match=r"expert_offload\.cpu_tier: the CPU tier computes with the "
                                                  r"compiled CPU kernel, which cannot here: no compiler"):
-        build_host_tier(_layer())
+        build_host_tier(_layer(), False, print)

@@ -12,7 +12,8 @@ device's in a fixed order by the caller (deterministic for a given split).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,15 +28,36 @@ PROBE_REPEATS = 3  # timed runs per token count (the fastest is kept: the others
 PROBE_BUDGET_S = 2.0  # the probe stops adding token counts once it has spent this long
 
 
+@dataclass(frozen=True)
+class ReadyPartial:
+    """A partial sum computed before the device kernel was queued (the CPU engine: one thread does both)."""
+
+    partial: torch.Tensor
+
+    def result(self) -> torch.Tensor:
+        return self.partial
+
+
 class HostTier:
     """One MoE layer's CPU tier on the CPU engine: the compiled CPU kernel over the layer's pointer tables, run
-    inside the forward by the worker's own threads (the engine's cores are the host's cores there)."""
+    inside the forward by the worker's own threads (the engine's cores are the host's cores there). `busy` is
+    told the seconds each job took (the /metrics busy time)."""
 
-    where = "in the forward by the worker's own threads, after the device path"
+    where = "in the forward by the worker's own threads, before the device path"
 
-    def __init__(self, kernel: MoEKernel, hidden: int) -> None:
+    def __init__(self, kernel: MoEKernel, hidden: int, apply_router_weight_on_input: bool,
+                 busy: Callable[[float], None]) -> None:
         self.kernel = kernel
         self.hidden = hidden
+        self.on_input = apply_router_weight_on_input
+        self.busy = busy
+
+    def start(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor) -> ReadyPartial:
+        """This forward's job, computed now and timed (the StreamHostTier's interface, kernels/stream_host_tier.py)."""
+        began = time.perf_counter()
+        partial = self.forward(x, topk_weights, cpu_ids, self.on_input)
+        self.busy(time.perf_counter() - began)
+        return ReadyPartial(partial)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor,
                 apply_router_weight_on_input: bool) -> torch.Tensor:
@@ -50,7 +72,7 @@ class HostTier:
         return out.to(x.dtype)
 
 
-def build_host_tier(layer: MoELayer) -> HostTier:
+def build_host_tier(layer: MoELayer, apply_router_weight_on_input: bool, busy: Callable[[float], None]) -> HostTier:
     """The layer's CPU tier; refused by name where the compiled CPU kernel cannot compute it."""
     if layer.device.type != "cpu":
         raise BackendUnavailable(f"{WHERE}: on {layer.device.type} the tier's host jobs in the device's stream are "
@@ -59,7 +81,8 @@ def build_host_tier(layer: MoELayer) -> HostTier:
     if why is not None:
         raise BackendUnavailable(f"{WHERE}: the CPU tier computes with the compiled CPU kernel, which cannot here: "
                                  f"{why}")
-    return HostTier(CPU_BACKEND.build_moe(replace(layer, cache=None)), layer.crop.hidden)
+    return HostTier(CPU_BACKEND.build_moe(replace(layer, cache=None)), layer.crop.hidden,
+                    apply_router_weight_on_input, busy)
 
 
 def probe_counts(max_tokens: int) -> list[int]:

@@ -13,9 +13,9 @@ Made once per layer at load. The process's first layer with a host-resident expe
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +23,8 @@ import torch
 
 from ...kernels.contract import MoELayer
 from ...kernels.expert_slots import ExpertSlots
-from ...kernels.host_tier import HostTier, build_host_tier, probe_rates
+from ...kernels.host_tier import build_host_tier, probe_rates
+from ...kernels.stream_host_tier import CpuTierCompute, PendingPartial
 from ...memory.tier_cpus import TierCpus, tier_cpus
 from ...memory.topology import node_cpus, parse_cpulist
 from ...offload.counters import TierCounters
@@ -43,28 +44,25 @@ class CpuTierStep:
     """One layer's split and CPU tier, and what the split reads each forward."""
 
     split: TierSplit
-    tier: HostTier
+    tier: CpuTierCompute  # HostTier on the CPU engine; StreamHostTier's interface on a GPU
     cache: ExpertSlots | None
     resident: torch.Tensor  # bool (E,): the layer's pointer tables' in_gpu_tier (a cache updates it in place)
     counters: TierCounters
     row: int
 
-    def start(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
-              apply_router_weight_on_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the device path's ids, the CPU tier's partial sum or None) for this rank's local ids (-1: another
-        rank's expert). A step above max_tokens stays on the device whole. Otherwise the cache steps on every
-        tier's ids (a CPU-computed expert is still a miss its policy sees), the split hands the tier its
-        experts (-1 in the device's ids), its entries are counted as CPU reads, and the tier computes them,
-        timed as its busy time."""
+    def start(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, PendingPartial | None]:
+        """(the device path's ids, the CPU tier's partial sum to come, or None) for this rank's local ids (-1:
+        another rank's expert). A step above max_tokens stays on the device whole. Otherwise the cache steps on
+        every tier's ids (a CPU-computed expert is still a miss its policy sees), the split hands the tier its
+        experts (-1 in the device's ids), its entries are counted as CPU reads, and the tier's job starts (it
+        times itself: the busy time). Device ops of fixed shapes only: no host synchronisation."""
         if not self.split.active(x.shape[0]):
             return local_ids, None
         filled = None if self.cache is None else self.cache.decide(local_ids)
         device_ids, cpu_ids = split_ids(local_ids, self.split.on_cpu(local_ids, self.resident, filled))
         self.counters.count_cpu_reads(self.row, cpu_ids)
-        began = time.perf_counter()
-        partial = self.tier.forward(x, topk_weights, cpu_ids, apply_router_weight_on_input)
-        self.counters.add_cpu_busy(self.row, time.perf_counter() - began)
-        return device_ids, partial
+        return device_ids, self.tier.start(x, topk_weights, cpu_ids)
 
 
 def host_share() -> tuple[int, int]:
@@ -98,14 +96,16 @@ def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: 
 
 
 def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
-                        share: Callable[[], tuple[int, int]] = host_share) -> CpuTierStep | None:
+                        apply_router_weight_on_input: bool, share: Callable[[], tuple[int, int]] = host_share
+                        ) -> CpuTierStep | None:
     """The layer's CPU tier step, or None without `cpu_tier` or without a host-resident expert in the layer.
     `share`: (this worker's index, workers) on this host, asked only when the tier's cores are resolved."""
     settings = placement.options.cpu_tier
     host_resident = torch.nonzero(~layer.tables.in_gpu_tier).flatten().tolist()
     if settings is None or not host_resident:
         return None
-    tier = build_host_tier(layer)
+    tier = build_host_tier(layer, apply_router_weight_on_input,
+                           functools.partial(placement.tier_counters.add_cpu_busy, row))
 
     def probe():
         cpus = resolve_tier_cpus(placement, layer.device, share())

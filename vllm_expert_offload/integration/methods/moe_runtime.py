@@ -32,6 +32,7 @@ from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
 from ..startup.data_parallel import own_rows
 from ..startup.profiling import spread_routing
+from ...kernels.stream_host_tier import PendingPartial
 from .cpu_tier_step import CpuTierStep
 from .rank_check import check_ranks_agree
 
@@ -98,16 +99,16 @@ class MoERuntime:
         return torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights)), local
 
     def _start_cpu_tier(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the device's ids, the CPU tier's partial sum or None): without the tier, or in a step above its
-        max_tokens, every entry stays on the device."""
+                        ) -> tuple[torch.Tensor, PendingPartial | None]:
+        """(the device's ids, the CPU tier's partial sum to come, or None): without the tier, or in a step above
+        its max_tokens, every entry stays on the device. The tier's job runs while the kernel does."""
         if self.cpu_tier is None:
             return local_ids, None
-        return self.cpu_tier.start(x, topk_weights, local_ids, self.apply_router_weight_on_input)
+        return self.cpu_tier.start(x, topk_weights, local_ids)
 
-    def _add_cpu_tier(self, out: torch.Tensor, cpu_partial: torch.Tensor | None) -> torch.Tensor:
+    def _add_cpu_tier(self, out: torch.Tensor, cpu_partial: PendingPartial | None) -> torch.Tensor:
         """Both tiers' sum, the device's partial first: a fixed order, so a given split is deterministic."""
-        return out if cpu_partial is None else out + cpu_partial
+        return out if cpu_partial is None else out + cpu_partial.result()
 
     def _count_reads(self, local_ids: torch.Tensor) -> None:
         """This step's reads by tier (-1 not counted), before the cache's step moves experts between tiers."""
