@@ -1,6 +1,7 @@
 """The CPU tier's step in a layer's runtime forward (MoERuntime with the tier), in process on the compiled CPU
-kernel: the device path and the tier together equal the device path alone (with and without the expert cache, whose policy must decide exactly as if
-the device had read every miss), reads counted by tier, the tier's partial sums deterministic, and the probe."""
+kernel: the device path and the tier together equal the device path alone (with and without the expert cache,
+whose policy must decide exactly as if the device had read every miss), reads counted by tier, the tier's partial
+sums deterministic, the whole forward free of host synchronisation on meta, and the probe."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _step(layer: MoELayer, split: str, rates: TierRates = FAST_CPU) -> tuple[MoE
     """The layer's runtime with the tier: the compiled CPU kernel as the device path, counters of one layer."""
     counters = tier_counters.TierCounters(1, CPU)
     nbytes = expert_trellis_bytes(layer.experts, CPU)
-    tier = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), build_host_tier(layer, False, functools.partial(counters.add_cpu_busy, 0)), layer.cache,
+    host = build_host_tier(layer, False, functools.partial(counters.add_cpu_busy, 0))
+    tier = CpuTierStep(TierSplit(CpuTierSettings(split=split), rates, nbytes), host, layer.cache,
                        layer.tables.in_gpu_tier, counters, 0)
     runtime = MoERuntime(
         op_name="model.layers.0.mlp.experts.exl3", layer_index=0, counter_row=0, geometry=None, tables=layer.tables,

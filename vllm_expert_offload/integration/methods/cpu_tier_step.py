@@ -2,10 +2,11 @@
 
 One named step of the layer's runtime (moe_runtime.py `_start_cpu_tier`, ahead of the read counters and the
 kernel): the expert cache's policy steps on every routed expert (a CPU-computed expert is still a miss it counts),
-the split (offload/cpu_tier.py) picks the host-resident misses the host cores compute, and the CPU tier
-(kernels/host_tier.py) computes them; the device kernel then gets the other entries (the tier's are -1 there), and
-the runtime adds the two partial sums, the device's first (a fixed order: deterministic for a given split). Each TP rank computes its own shard of a miss
-from its own host record; under expert parallelism another rank's entry (-1) stays -1 in both tiers.
+the split (offload/cpu_tier.py) picks the host-resident misses the host cores compute, and the CPU tier's job
+starts on them (kernels/host_tier.py on the CPU engine; kernels/stream_host_tier.py is the GPU's stream-ordered
+form); the device kernel then gets the other entries (the tier's are -1 there), and the runtime adds the two
+partial sums, the device's first (a fixed order: deterministic for a given split). Each TP rank computes its own
+shard of a miss from its own host record; under expert parallelism another rank's entry (-1) stays -1 in both.
 
 Made once per layer at load. The process's first layer with a host-resident expert resolves the tier's cores
 (memory/tier_cpus.py) and probes the rates the split decides from; both go to the start-up log with the rule.
@@ -56,7 +57,8 @@ class CpuTierStep:
         another rank's expert). A step above max_tokens stays on the device whole. Otherwise the cache steps on
         every tier's ids (a CPU-computed expert is still a miss its policy sees), the split hands the tier its
         experts (-1 in the device's ids), its entries are counted as CPU reads, and the tier's job starts (it
-        times itself: the busy time). Device ops of fixed shapes only: no host synchronisation."""
+        times itself: the busy time). This step's own ops are device ops of fixed shapes: no host synchronisation
+        (the proof: tests/integration/test_cpu_tier_step.py, on meta)."""
         if not self.split.active(x.shape[0]):
             return local_ids, None
         filled = None if self.cache is None else self.cache.decide(local_ids)
