@@ -43,7 +43,8 @@ class HostTier:
     inside the forward by the worker's own threads (the engine's cores are the host's cores there). `busy` is
     told the seconds each job took (the /metrics busy time)."""
 
-    where = "in the forward by the worker's own threads, before the device path"
+    # cpus/threads are resolved and checked at start-up, but here the worker's own threads run the job: say so
+    where = "in the forward by the worker's own threads, before the device path (cpus/threads not applied there)"
 
     def __init__(self, kernel: MoEKernel, hidden: int, apply_router_weight_on_input: bool,
                  busy: Callable[[float], None]) -> None:
