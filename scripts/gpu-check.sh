@@ -110,7 +110,7 @@ pick() {  # pick REAL... -- STUB...: CMD=(REAL...), or under --dry-run CMD=(STUB
 }
 
 GPU_TESTS=(tests/memory/test_arena.py tests/kernels/test_pointer_tables.py tests/kernels/test_triton_gpu.py
-           tests/kernels/test_exllamav3_gpu.py)
+           tests/kernels/test_exllamav3_gpu.py tests/kernels/test_stream_host_tier.py)
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 
 pick nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.max.sm \
@@ -139,7 +139,7 @@ pick "$PY" benchmarks/bench_gpu_kernels.py --out "$RESULTS_DIR/bench.jsonl" --ro
     --rooflines "$RESULTS_DIR/probe.jsonl"
 step "kernel benchmark: graph replays, Zipf routing, L2 cold, per backend beside fp16 and rooflines" 145 "${CMD[@]}"
 pick "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" -- "${PYTEST[@]}" --collect-only -m gpu "${GPU_TESTS[@]}"
-step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay" 120 "${CMD[@]}"
+step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay, CPU tier jobs" 120 "${CMD[@]}"
 # Issue 20 item 4: every backend's forward under torch.compile with CUDA-graph capture (reduce-overhead) vs eager.
 pick "${PYTEST[@]}" -m gpu tests/kernels/test_compiled_gpu.py -- "${PYTEST[@]}" --collect-only -m gpu tests/kernels/test_compiled_gpu.py
 step "compiled forwards (torch.compile reduce-overhead) vs eager" 90 "${CMD[@]}"

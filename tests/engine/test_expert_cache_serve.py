@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from vllm_expert_offload.integration.methods.rank_check import CHECK_RANKS_ENV
@@ -20,20 +18,13 @@ from vllm_expert_offload.testing.server import vllm_server
 from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
 from support.reference_twin import checked_dense_twin
+from support.scrape import plugin_metrics
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 16
 PROMPT = "Serialize obj as a JSON formatted stream to fp."  # test_serve.py: wide reference margins at every step
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 EXPERTS, SLOTS, LAYERS = 8, 2, (0, 1)  # per layer
-
-
-def _metrics(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) if family.name.startswith("vllm_expert_offload")
-            for s in family.samples}
 
 
 def _reads(metrics: dict, layer: int) -> float:
@@ -46,7 +37,7 @@ def _wait_for_reads(url: str, reads: list[float], timeout_s: float = 60) -> dict
     """The metrics once the poller has seen at least reads[i] token x expert reads in layer i."""
     deadline = time.monotonic() + timeout_s
     while True:
-        got = _metrics(url)
+        got = plugin_metrics(url)
         seen = [_reads(got, layer) for layer in LAYERS]
         if all(s >= r for s, r in zip(seen, reads)):
             return got

@@ -18,10 +18,10 @@ from vllm_expert_offload.integration.startup.worker_rpc import TIER_COUNTERS
 from vllm_expert_offload.kernels.oracle import BackendUnavailable, KernelChoice
 from vllm_expert_offload.offload.options import parse_offload_options
 
-# columns: gpu_reads, host_reads, host_read_bytes, fills, evictions
-RANK0 = {"layers": [3, 7], "counts": [[5, 3, 300, 2, 1], [0, 8, 800, 4, 0]],
+# columns: gpu_reads, host_reads, host_read_bytes, fills, evictions, cpu_reads
+RANK0 = {"layers": [3, 7], "counts": [[5, 3, 300, 2, 1, 4], [0, 8, 800, 4, 0, 0]], "cpu_busy_s": [0.25, 0.0],
          "gpu_tier_bytes": 10, "host_tier_bytes": 40}
-RANK1 = {"layers": [3, 7], "counts": [[5, 3, 310, 2, 1], [0, 8, 790, 4, 0]],
+RANK1 = {"layers": [3, 7], "counts": [[5, 3, 310, 2, 1, 2], [0, 8, 790, 4, 0, 0]], "cpu_busy_s": [0.5, 0.0],
          "gpu_tier_bytes": 11, "host_tier_bytes": 41}
 
 
@@ -43,7 +43,10 @@ def test_metrics_are_the_ranks_counters_summed() -> None:
     assert got[("vllm_expert_offload_host_read_bytes_total", (("layer", "3"),))] == 610
     assert got[("vllm_expert_offload_cache_fills_total", (("layer", "7"),))] == 8
     assert got[("vllm_expert_offload_cache_evictions_total", (("layer", "3"),))] == 2
-    assert got[("vllm_expert_offload_cache_hit_rate", (("layer", "3"),))] == pytest.approx(10 / 16)
+    assert got[("vllm_expert_offload_expert_reads_total", (("layer", "3"), ("tier", "cpu")))] == 6
+    assert got[("vllm_expert_offload_expert_reads_total", (("layer", "7"), ("tier", "cpu")))] == 0
+    assert got[("vllm_expert_offload_cpu_tier_busy_seconds_total", (("layer", "3"),))] == 0.75
+    assert got[("vllm_expert_offload_cache_hit_rate", (("layer", "3"),))] == pytest.approx(10 / 22)  # cpu: misses
     assert got[("vllm_expert_offload_cache_hit_rate", (("layer", "7"),))] == 0.0
     assert got[("vllm_expert_offload_tier_bytes", (("tier", "gpu"),))] == 21
     assert got[("vllm_expert_offload_tier_bytes", (("tier", "host"),))] == 81
@@ -70,7 +73,7 @@ def test_poll_asks_the_workers_and_survives_a_failed_call() -> None:
         return metrics
 
     metrics = asyncio.run(run())
-    assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2], [0, 16, 1590, 8, 0]]
+    assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2, 6], [0, 16, 1590, 8, 0, 0]]
 
 
 def test_poll_under_data_parallelism_sums_every_engines_workers() -> None:
@@ -102,7 +105,7 @@ def test_poll_under_data_parallelism_sums_every_engines_workers() -> None:
 
     metrics = asyncio.run(run())
     assert Client.calls and Client.calls[0] == ("collective_rpc", TIER_COUNTERS, None, (), None)
-    assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2], [0, 16, 1590, 8, 0]]
+    assert metrics.latest["counts"].tolist() == [[10, 6, 610, 4, 2, 6], [0, 16, 1590, 8, 0, 0]]
 
 
 def test_rank_check_passes_equal_states_and_names_the_layer_of_a_divergence() -> None:

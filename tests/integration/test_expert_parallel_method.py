@@ -58,7 +58,7 @@ def test_serving_maps_global_ids_and_zeroes_other_ranks_slots() -> None:
     layer = _runtime()
     layer.forward(torch.zeros(2, 4), torch.tensor([[0.7, 0.3], [0.6, 0.4]]), torch.tensor([[5, 1], [0, 7]]))
     weights, ids = layer.kernel.calls[0]
-    assert ids.tolist() == [[1, 0], [0, 3]]
+    assert ids.tolist() == [[1, -1], [-1, 3]]  # -1 reaches the backend, which skips it
     assert weights.tolist() == [[pytest.approx(0.7), 0.0], [0.0, pytest.approx(0.4)]]
     # Read counters: only this rank's two host-tier reads (global 5, 7); the other rank's ids 1 and 0 are not
     # reads of local expert 0, which sits in the GPU tier here.

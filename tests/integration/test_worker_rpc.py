@@ -89,9 +89,11 @@ def test_no_worker_method_resets_the_counts() -> None:
 def test_tier_counters_report_reads_without_resetting_them(tmp_path, summary) -> None:
     worker = _worker(summary, None)
     placement = worker.vllm_config.quant_config.placement
-    placement.tier_counters.counts[1] += torch.tensor([1, 2, 3, 4, 5])
+    placement.tier_counters.counts[1] += torch.tensor([1, 2, 3, 4, 5, 6])
+    placement.tier_counters.add_cpu_busy(1, 0.5)
     first = worker_rpc.tier_counters(worker)
-    assert first["layers"] == list(placement.moe_layers) and first["counts"][1] == [1, 2, 3, 4, 5]
+    assert first["layers"] == list(placement.moe_layers) and first["counts"][1] == [1, 2, 3, 4, 5, 6]
+    assert first["cpu_busy_s"][1] == 0.5 and first["cpu_busy_s"][0] == 0.0
     assert first["gpu_tier_bytes"] == placement.gpu_tier_bytes() and first["host_tier_bytes"] == 0  # all on GPU
     assert worker_rpc.tier_counters(worker) == first
     with pytest.raises(TypeError):

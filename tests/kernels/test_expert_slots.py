@@ -120,7 +120,7 @@ def test_cached_forward_equals_uncached_while_fills_and_evictions_happen(policy:
         assert not (lost & read).any(), "an expert read in this step lost its slot"
         _assert_tables_follow_policy(slots, experts, arena)
         _assert_within_budget(slots)
-    fills, evictions = counters.counts[0, tier_counters.FILLS:].tolist()
+    fills, evictions = counters.counts[0, tier_counters.FILLS:tier_counters.EVICTIONS + 1].tolist()
     assert fills > SLOTS and evictions > 0, "the budget is small enough that fills and evictions must happen"
 
 
@@ -142,7 +142,7 @@ def test_triton_writes_through_and_equals_its_uncached_forward() -> None:
         assert torch.equal(cached.forward(x, weights, ids, False), plain.forward(x, weights, ids, False))
         _assert_tables_follow_policy(slots, experts, arena)
         _assert_within_budget(slots)
-    fills, evictions = counters.counts[0, tier_counters.FILLS:].tolist()
+    fills, evictions = counters.counts[0, tier_counters.FILLS:tier_counters.EVICTIONS + 1].tolist()
     assert fills >= SLOTS and evictions > 0
 
 
@@ -215,11 +215,13 @@ def test_read_counters_by_tier_and_host_bytes() -> None:
     resident = torch.tensor([True, False, False, True])
     sizes = torch.tensor([10, 20, 40, 80])
     counters.count_reads(1, torch.tensor([[0, 1], [1, 2], [3, 1]]), resident, sizes)
-    assert counters.counts[1].tolist() == [2, 4, 60, 0, 0] and counters.counts[0].tolist() == [0] * 5
+    assert counters.counts[1].tolist() == [2, 4, 60, 0, 0, 0] and counters.counts[0].tolist() == [0] * 6
     counters.count_fills(1, torch.tensor([2, -1]), torch.tensor([3, -1]))
-    assert counters.counts[1].tolist() == [2, 4, 60, 1, 1]
+    assert counters.counts[1].tolist() == [2, 4, 60, 1, 1, 0]
     counters.count_reads(0, torch.tensor([[-1, 3], [-1, -1]]), resident, sizes)  # -1: another EP rank's expert
-    assert counters.counts[0].tolist() == [1, 0, 0, 0, 0]
+    assert counters.counts[0].tolist() == [1, 0, 0, 0, 0, 0]
+    counters.count_cpu_reads(0, torch.tensor([[2, -1], [1, 2]]))  # -1: the device's entry
+    assert counters.counts[0].tolist() == [1, 0, 0, 0, 0, 3]
     experts = _host_layer()[0]
     assert expert_trellis_bytes(experts, CPU).tolist() == [
         sum(layer.trellis.numel() * 2 for layer in e.projections.values()) for e in experts]

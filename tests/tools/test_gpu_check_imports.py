@@ -31,7 +31,7 @@ MODULES = ("vllm_expert_offload", "vllm_expert_offload.kernels.oracle", "vllm_ex
            "support.moe_layers")
 FILES = ("benchmarks/gpu_bandwidth_probe.py", "benchmarks/bench_gpu_kernels.py", "tests/kernels/test_triton_gpu.py",
          "tests/kernels/test_exllamav3_gpu.py", "tests/kernels/test_compiled_gpu.py", "tests/memory/test_arena.py",
-         "tests/kernels/test_pointer_tables.py")
+         "tests/kernels/test_pointer_tables.py", "tests/kernels/test_stream_host_tier.py")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -73,6 +73,7 @@ class ExpertSlots:
             for p in PROJECTIONS
         }
         self.host_address = {p: tables.table(p, "trellis").clone() for p in PROJECTIONS}
+        self._decided: dict[str, torch.Tensor] | None = None  # fills of a step `decide` took, for the next `begin`
         for expert, slot in enumerate(start.tolist()):  # load time: the plan's GPU experts into their slots
             if slot >= 0:
                 self._copy_in(experts[expert], layouts[expert][0], slot)
@@ -89,9 +90,20 @@ class ExpertSlots:
         in_slot = self.slot_address[projection] + slot.long().clamp(min=0) * self.slot_bytes
         return torch.where(slot >= 0, in_slot, self.host_address[projection])
 
+    def decide(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The policy's step ahead of the launches, for every tier's reads of this forward (the CPU tier's split
+        must know which experts are filled: their device read writes the slot); the next `begin` hands the
+        launches these fills instead of stepping again. Returns bool (E,): the experts installed now."""
+        self._decided = self._step(topk_ids)
+        return self._decided["gate"] != 0
+
     def begin(self, topk_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The policy's step for this forward's local top-k ids; returns the launches' fill tables, int64 (E,) per
-        projection: the slot address of each expert installed now, 0 elsewhere."""
+        """The policy's step for this forward's local top-k ids (or the one `decide` took); returns the launches'
+        fill tables, int64 (E,) per projection: the slot address of each expert installed now, 0 elsewhere."""
+        fills, self._decided = self._decided, None
+        return self._step(topk_ids) if fills is None else fills
+
+    def _step(self, topk_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         step = self.policy.step(topk_ids)
         filled = step.fill_expert.long()
         # -1 padding scatters into a sink entry past the experts, dropped by the slice

@@ -1,4 +1,5 @@
-"""ctypes bindings for the three CUDA runtime calls that map host memory into the GPU's address space.
+"""ctypes bindings for the CUDA runtime calls that map host memory into the GPU's address space, and for
+cudaLaunchHostFunc, which runs a host function in a stream's order (the CPU expert tier's jobs).
 
 torch exposes `cudaHostRegister` (`torch.cuda.cudart()`) but not `cudaHostGetDevicePointer`, and
 `Tensor.pin_memory()` goes through the caching host allocator, which rounds every block up to a power of
@@ -53,6 +54,7 @@ def _cudart() -> ctypes.CDLL:
     lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
     lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+    lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cudaGetErrorName.restype = ctypes.c_char_p
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     return lib
@@ -85,3 +87,11 @@ def host_device_pointer(address: int, device: torch.device) -> int:
         code = _cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), address, 0)
     _check(f"cudaHostGetDevicePointer(host={address:#x})", code)
     return int(device_ptr.value or 0)
+
+
+def launch_host_func(stream: int, function: int, user_data: int) -> None:
+    """Queue the C function at address `function` on the CUDA stream handle `stream`: it runs on CUDA's callback
+    thread with `user_data` once the work queued before it has finished, and the stream's later work waits for it.
+    Under graph capture it becomes a host node of the graph, `user_data` fixed at capture."""
+    code = _cudart().cudaLaunchHostFunc(stream, function, user_data)
+    _check(f"cudaLaunchHostFunc(stream={stream:#x}, fn={function:#x})", code)

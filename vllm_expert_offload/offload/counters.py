@@ -11,15 +11,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-COLUMNS = ("gpu_reads", "host_reads", "host_read_bytes", "fills", "evictions")
-GPU_READS, HOST_READS, HOST_READ_BYTES, FILLS, EVICTIONS = range(len(COLUMNS))
+COLUMNS = ("gpu_reads", "host_reads", "host_read_bytes", "fills", "evictions", "cpu_reads")
+GPU_READS, HOST_READS, HOST_READ_BYTES, FILLS, EVICTIONS, CPU_READS = range(len(COLUMNS))
 
 
 class TierCounters:
-    """int64 (MoE layers, COLUMNS) on the device, rows in the model's MoE-layer order."""
+    """int64 (MoE layers, COLUMNS) on the device, rows in the model's MoE-layer order; and the CPU tier's busy
+    seconds per layer, on the host (the tier's jobs run there and time themselves)."""
 
     def __init__(self, layers: int, device: torch.device | str) -> None:
         self.counts = torch.zeros(layers, len(COLUMNS), dtype=torch.int64, device=device)
+        self.cpu_busy_s = np.zeros(layers)
 
     def count_reads(self, row: int, ids: torch.Tensor, resident: torch.Tensor, expert_bytes: torch.Tensor) -> None:
         """One forward's token x expert reads of layer `row`, by tier (`resident`: bool (E,), in GPU memory now),
@@ -34,9 +36,17 @@ class TierCounters:
         added = torch.stack([(on_gpu & local).sum(), (~on_gpu & local).sum(), host_bytes])
         self.counts[row, :FILLS] += added
 
+    def count_cpu_reads(self, row: int, cpu_ids: torch.Tensor) -> None:
+        """One forward's token x expert entries of layer `row` the CPU tier computes (-1: not the tier's)."""
+        self.counts[row, CPU_READS] += (cpu_ids >= 0).sum()
+
+    def add_cpu_busy(self, row: int, seconds: float) -> None:
+        """Time the CPU tier spent on one job of layer `row` (added by the job itself, on the host)."""
+        self.cpu_busy_s[row] += seconds
+
     def count_fills(self, row: int, fill_expert: torch.Tensor, evicted: torch.Tensor) -> None:
         """The fills and evictions of one cache step (-1 entries are no-ops)."""
-        self.counts[row, FILLS:] += torch.stack([(fill_expert >= 0).sum(), (evicted >= 0).sum()])
+        self.counts[row, FILLS:EVICTIONS + 1] += torch.stack([(fill_expert >= 0).sum(), (evicted >= 0).sum()])
 
     def snapshot(self) -> np.ndarray:
         """The counts on the host. Waits for the work queued on the device: call between engine steps only."""

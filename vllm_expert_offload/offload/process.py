@@ -19,6 +19,7 @@ from ..errors import ExpertOffloadError
 from ..exl3.validate import CheckpointSummary
 from ..memory.arena import HostArena
 from ..placement import RoutingCounts
+from ..placement.cost import TierRates
 from .cache_policy import CacheSettings
 from .counters import TierCounters
 from .options import OffloadOptions
@@ -96,6 +97,7 @@ class ProcessPlacement:
         self.startup_counts_spent = False
         self.recording = options.record_stats is not None
         self.loading_peak_bytes = 0  # CUDA: peak allocated while the MoE layers were loaded (memory_report)
+        self._tier_rates: TierRates | None = None  # the CPU tier's probed rates, once per process (tier_rates)
         self._exit_save = None
         if self.recording and self.writes_stats:
             self._exit_save = at_process_exit(self.save_stats, options.record_stats, "at exit")
@@ -187,6 +189,13 @@ class ProcessPlacement:
 
     def row(self, layer: int) -> int:
         return self.moe_layers.index(layer)
+
+    def tier_rates(self, probe: Callable[[], TierRates]) -> TierRates:
+        """The CPU tier's rates (expert_offload.cpu_tier): `probe` runs at the first layer that asks (one that has
+        a host-resident expert to time), and every later layer splits by the same rates."""
+        if self._tier_rates is None:
+            self._tier_rates = probe()
+        return self._tier_rates
 
     def in_gpu_tier(self, layer: int, expert: int) -> bool:
         return bool(self.gpu_tier[self.row(layer), expert])

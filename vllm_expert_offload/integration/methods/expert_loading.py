@@ -20,6 +20,7 @@ from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
 from ...offload.tiers import PlacedExpert, place_expert
 from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
+from .cpu_tier_step import build_cpu_tier_step
 from .moe_runtime import MoERuntime
 from .rank_check import checking_ranks
 
@@ -115,16 +116,19 @@ class ExpertLoading:
             initial = [placement.in_gpu_tier(self.layer_index, g) for g in self._local_to_global()]
             cache = ExpertSlots(experts, tables, placement.cache, initial, placement.slot_bytes(self.layer_index),
                                 self.device, placement.tier_counters, row)
-        kernel = build_moe_kernel(self.kernels, MoELayer(
+        moe_layer = MoELayer(
             experts, tables, scales, arena, crop, self.params_dtype, self.device,
             swiglu_limit=self.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
             top_k=self.top_k, capture_rows=self.capture_rows, cache=cache,
-        ))
+        )
+        kernel = build_moe_kernel(self.kernels, moe_layer)
+        expert_bytes = expert_trellis_bytes(experts, self.device)
+        cpu_tier = build_cpu_tier_step(placement, moe_layer, expert_bytes, row, layer.apply_router_weight_on_input)
         placement.note_loading_peak(self.device)
         return MoERuntime(
             op_name=self.op_name, layer_index=self.layer_index, counter_row=row, geometry=self.geometry,
-            tables=tables, expert_bytes=expert_trellis_bytes(experts, self.device), kernel=kernel, cache=cache,
+            tables=tables, expert_bytes=expert_bytes, kernel=kernel, cache=cache,
             placement=placement, expert_map=layer.expert_map, num_local_experts=self.num_local_experts,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
-            check_ranks=cache is not None and checking_ranks(),
+            check_ranks=cache is not None and checking_ranks(), cpu_tier=cpu_tier,
         )

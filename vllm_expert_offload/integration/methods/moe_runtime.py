@@ -7,9 +7,11 @@ inputs, the expert-parallel map) and runs the forward as a short sequence of nam
   _rows        under data parallelism this engine's own rows of the batch every engine's tokens were gathered into
   _record      routing statistics of those rows (never of a dummy batch)
   _to_local    global expert ids -> this rank's (expert parallelism; another rank's expert is -1, weight 0)
+  _start_cpu_tier  the CPU tier (expert_offload.cpu_tier): host-resident misses split off and computed by host
+               cores; their entries are -1 for the device (cpu_tier_step.py)
   _count_reads reads by tier for /metrics, before the cache's step moves experts
-  _other_ranks_on_expert_zero   -1 -> 0 (weight 0) for backends that cannot take -1 yet
-  kernel       the backend: every selected expert read in place, VRAM or host arena
+  kernel       the backend: every selected expert read in place, VRAM or host arena (-1 entries skipped)
+  _add_cpu_tier  the CPU tier's partial sum added to the device's, the device's first
   _check_ranks the rank-check debug mode: every TP rank's expert cache compared after the step
 
 A new step is one method and one line in `forward`.
@@ -30,6 +32,8 @@ from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
 from ..startup.data_parallel import own_rows
 from ..startup.profiling import spread_routing
+from ...kernels.stream_host_tier import PendingPartial
+from .cpu_tier_step import CpuTierStep
 from .rank_check import check_ranks_agree
 
 
@@ -51,15 +55,17 @@ class MoERuntime:
     num_local_experts: int
     apply_router_weight_on_input: bool
     check_ranks: bool  # the rank-check debug mode (rank_check.py), only with a cache
+    cpu_tier: CpuTierStep | None = None  # expert_offload.cpu_tier, in a layer with a host-resident expert
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if profiling():
             return self._worst_case(x, topk_weights, topk_ids)
         self._record(self._rows(topk_ids))
         topk_weights, ids = self._to_local(topk_weights, topk_ids)
+        ids, cpu_partial = self._start_cpu_tier(x, topk_weights, ids)
         self._count_reads(ids)
-        ids = self._other_ranks_on_expert_zero(ids)
         out = self.kernel.forward(x, topk_weights, ids, self.apply_router_weight_on_input)
+        out = self._add_cpu_tier(out, cpu_partial)
         self._check_ranks()
         return out
 
@@ -92,15 +98,22 @@ class MoERuntime:
         local = self.expert_map[topk_ids.long()].long()
         return torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights)), local
 
+    def _start_cpu_tier(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor
+                        ) -> tuple[torch.Tensor, PendingPartial | None]:
+        """(the device's ids, the CPU tier's partial sum to come, or None): without the tier, or in a step above
+        its max_tokens, every entry stays on the device. The tier's job runs while the kernel does."""
+        if self.cpu_tier is None:
+            return local_ids, None
+        return self.cpu_tier.start(x, topk_weights, local_ids)
+
+    def _add_cpu_tier(self, out: torch.Tensor, cpu_partial: PendingPartial | None) -> torch.Tensor:
+        """Both tiers' sum, the device's partial first: a fixed order, so a given split is deterministic."""
+        return out if cpu_partial is None else out + cpu_partial.result()
+
     def _count_reads(self, local_ids: torch.Tensor) -> None:
         """This step's reads by tier (-1 not counted), before the cache's step moves experts between tiers."""
         self.placement.tier_counters.count_reads(self.counter_row, local_ids, self.tables.in_gpu_tier,
                                                  self.expert_bytes)
-
-    def _other_ranks_on_expert_zero(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Another rank's expert (-1) as local expert 0 with weight 0 (`_to_local`), for backends that index with
-        the id unchecked; to go once every backend skips -1 itself (issue 38, item 6)."""
-        return local_ids if self.expert_map is None else local_ids.clamp(min=0)
 
     def _check_ranks(self) -> None:
         """Debug mode: every TP rank's expert cache must hold the same experts after this step."""

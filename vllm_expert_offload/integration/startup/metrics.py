@@ -24,7 +24,7 @@ import numpy as np
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ...offload.counters import EVICTIONS, FILLS, GPU_READS, HOST_READ_BYTES, HOST_READS
+from ...offload.counters import CPU_READS, EVICTIONS, FILLS, GPU_READS, HOST_READ_BYTES, HOST_READS
 from .worker_rpc import TIER_COUNTERS, ask_every_worker
 
 logger = logging.getLogger("vllm.expert_offload.metrics")
@@ -40,6 +40,7 @@ def summed(reports: Sequence[dict | None]) -> dict | None:
     return {
         "layers": reports[0]["layers"],
         "counts": np.sum([np.asarray(r["counts"], dtype=np.int64) for r in reports], axis=0),
+        "cpu_busy_s": np.sum([np.asarray(r["cpu_busy_s"], dtype=np.float64) for r in reports], axis=0),
         "gpu_tier_bytes": sum(r["gpu_tier_bytes"] for r in reports),
         "host_tier_bytes": sum(r["host_tier_bytes"] for r in reports),
     }
@@ -47,8 +48,10 @@ def summed(reports: Sequence[dict | None]) -> dict | None:
 
 def families(total: dict) -> Iterator[Metric]:
     """The metric families of one summed report."""
-    reads = CounterMetricFamily(PREFIX + "expert_reads", "Token x expert reads of routed experts by the tier the "
-                                "expert was in when read, summed over TP ranks", labels=["layer", "tier"])
+    reads = CounterMetricFamily(PREFIX + "expert_reads", "Token x expert reads of routed experts by the tier that "
+                                "computed them (gpu: from GPU memory; host: read by the device from the host tier; "
+                                "cpu: computed by the CPU tier from the host tier), summed over TP ranks",
+                                labels=["layer", "tier"])
     host_bytes = CounterMetricFamily(PREFIX + "host_read_bytes", "Trellis bytes of the distinct host-tier experts "
                                      "each forward read over the link, summed over TP ranks", labels=["layer"])
     fills = CounterMetricFamily(PREFIX + "cache_fills", "Experts written through into a GPU cache slot as they were "
@@ -57,20 +60,24 @@ def families(total: dict) -> Iterator[Metric]:
                                     "summed over TP ranks", labels=["layer"])
     hit_rate = GaugeMetricFamily(PREFIX + "cache_hit_rate", "Share of token x expert reads served from GPU "
                                  "memory since the server started", labels=["layer"])
-    for layer, row in zip(total["layers"], total["counts"]):
+    busy = CounterMetricFamily(PREFIX + "cpu_tier_busy_seconds", "Seconds the CPU tier spent computing its experts, "
+                               "summed over TP ranks", labels=["layer"])
+    for layer, row, busy_s in zip(total["layers"], total["counts"], total["cpu_busy_s"]):
         name = str(layer)
         reads.add_metric([name, "gpu"], int(row[GPU_READS]))
         reads.add_metric([name, "host"], int(row[HOST_READS]))
+        reads.add_metric([name, "cpu"], int(row[CPU_READS]))
+        busy.add_metric([name], float(busy_s))
         host_bytes.add_metric([name], int(row[HOST_READ_BYTES]))
         fills.add_metric([name], int(row[FILLS]))
         evictions.add_metric([name], int(row[EVICTIONS]))
-        all_reads = int(row[GPU_READS] + row[HOST_READS])
+        all_reads = int(row[GPU_READS] + row[HOST_READS] + row[CPU_READS])  # a CPU-tier read is a miss too
         hit_rate.add_metric([name], row[GPU_READS] / all_reads if all_reads else 0.0)
     held = GaugeMetricFamily(PREFIX + "tier_bytes", "Routed-expert bytes each tier holds (GPU: the plan's experts or "
                              "the cache's slots; host: the arena's records), summed over TP ranks", labels=["tier"])
     held.add_metric(["gpu"], total["gpu_tier_bytes"])
     held.add_metric(["host"], total["host_tier_bytes"])
-    yield from (reads, host_bytes, fills, evictions, hit_rate, held)
+    yield from (reads, host_bytes, fills, evictions, hit_rate, busy, held)
 
 
 class TierMetrics:

@@ -88,6 +88,7 @@ def tier_counters(worker) -> dict | None:
     return {
         "layers": list(placement.moe_layers),
         "counts": placement.tier_counters.snapshot().tolist(),
+        "cpu_busy_s": placement.tier_counters.cpu_busy_s.tolist(),
         "gpu_tier_bytes": placement.gpu_tier_bytes(),
         "host_tier_bytes": placement.host_tier_bytes(),
     }

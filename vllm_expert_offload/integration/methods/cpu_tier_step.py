@@ -1,0 +1,124 @@
+"""The CPU expert tier's step in a MoE layer's forward (issue 41, `expert_offload.cpu_tier`).
+
+One named step of the layer's runtime (moe_runtime.py `_start_cpu_tier`, ahead of the read counters and the
+kernel): the expert cache's policy steps on every routed expert (a CPU-computed expert is still a miss it counts),
+the split (offload/cpu_tier.py) picks the host-resident misses the host cores compute, and the CPU tier's job
+starts on them (kernels/host_tier.py on the CPU engine; kernels/stream_host_tier.py is the GPU's stream-ordered
+form); the device kernel then gets the other entries (the tier's are -1 there), and the runtime adds the two
+partial sums, the device's first (a fixed order: deterministic for a given split). Each TP rank computes its own
+shard of a miss from its own host record; under expert parallelism another rank's entry (-1) stays -1 in both.
+
+Made once per layer at load. The process's first layer with a host-resident expert resolves the tier's cores
+(memory/tier_cpus.py) and probes the rates the split decides from; both go to the start-up log with the rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.contract import MoELayer
+from ...kernels.expert_slots import ExpertSlots
+from ...kernels.host_tier import build_host_tier, probe_rates
+from ...kernels.stream_host_tier import CpuTierCompute, PendingPartial
+from ...memory.tier_cpus import TierCpus, tier_cpus
+from ...memory.topology import node_cpus, parse_cpulist
+from ...offload.counters import TierCounters
+from ...offload.cpu_tier import TierSplit, split_ids
+from ...offload.process import ProcessPlacement
+
+logger = logging.getLogger("vllm.expert_offload")
+SPLIT_RULES = {
+    "auto": "per step and layer, routed host-resident misses not being cached, ordered by (tokens, expert id); the "
+            "CPU takes the prefix that makes both tiers finish together (placement/cost.py balanced_cpu_split)",
+    "all": "every routed host-resident miss not being cached goes to the CPU",
+}
+
+
+@dataclass(frozen=True)
+class CpuTierStep:
+    """One layer's split and CPU tier, and what the split reads each forward."""
+
+    split: TierSplit
+    tier: CpuTierCompute  # HostTier on the CPU engine; StreamHostTier's interface on a GPU
+    cache: ExpertSlots | None
+    resident: torch.Tensor  # bool (E,): the layer's pointer tables' in_gpu_tier (a cache updates it in place)
+    counters: TierCounters
+    row: int
+
+    def start(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, PendingPartial | None]:
+        """(the device path's ids, the CPU tier's partial sum to come, or None) for this rank's local ids (-1:
+        another rank's expert). A step above max_tokens stays on the device whole. Otherwise the cache steps on
+        every tier's ids (a CPU-computed expert is still a miss its policy sees), the split hands the tier its
+        experts (-1 in the device's ids), its entries are counted as CPU reads, and the tier's job starts (it
+        times itself: the busy time). This step's own ops are device ops of fixed shapes: no host synchronisation
+        (the proof: tests/integration/test_cpu_tier_step.py, on meta)."""
+        if not self.split.active(x.shape[0]):
+            return local_ids, None
+        filled = None if self.cache is None else self.cache.decide(local_ids)
+        device_ids, cpu_ids = split_ids(local_ids, self.split.on_cpu(local_ids, self.resident, filled))
+        self.counters.count_cpu_reads(self.row, cpu_ids)
+        return device_ids, self.tier.start(x, topk_weights, cpu_ids)
+
+
+def host_share() -> tuple[int, int]:
+    """(this worker's index, workers) among vLLM's workers on this host: each takes its share of the CPU tier's
+    automatic core list."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().local_rank, get_current_vllm_config().parallel_config.local_world_size
+
+
+def _engine_bound(device: torch.device) -> set[int]:
+    """Cores vLLM's own processes are bound to: on the CPU engine every rank's OpenMP list when given
+    (VLLM_CPU_OMP_THREADS_BIND="0-3|4-7"), and this worker's own places; on a GPU vLLM binds nothing."""
+    if device.type != "cpu":
+        return set()
+    bound = set(os.sched_getaffinity(0))  # the CPU engine binds its worker's threads before the model loads
+    lists = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if lists not in ("auto", "nobind", "all"):
+        bound.update(c for part in lists.split("|") for c in parse_cpulist(part))
+    return bound
+
+
+def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: tuple[int, int]) -> TierCpus:
+    """The tier's cores: the options' list, or the arena's node minus vLLM's cores, this rank's share of it."""
+    settings = placement.options.cpu_tier
+    online = parse_cpulist(open("/sys/devices/system/cpu/online").read())
+    node = None if placement.arena is None else placement.arena.numa_node
+    return tier_cpus(settings.cpus, settings.threads, online, node_cpus(node) if node is not None else (),
+                     _engine_bound(device), share)
+
+
+def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
+                        apply_router_weight_on_input: bool, share: Callable[[], tuple[int, int]] = host_share
+                        ) -> CpuTierStep | None:
+    """The layer's CPU tier step, or None without `cpu_tier` or without a host-resident expert in the layer.
+    `share`: (this worker's index, workers) on this host, asked only when the tier's cores are resolved."""
+    settings = placement.options.cpu_tier
+    host_resident = torch.nonzero(~layer.tables.in_gpu_tier).flatten().tolist()
+    if settings is None or not host_resident:
+        return None
+    tier = build_host_tier(layer, apply_router_weight_on_input,
+                           functools.partial(placement.tier_counters.add_cpu_busy, row))
+
+    def probe():
+        cpus = resolve_tier_cpus(placement, layer.device, share())
+        expert = host_resident[0]
+        rates = probe_rates(tier, expert, int(expert_bytes[expert]), layer.crop.hidden, layer.dtype, settings)
+        logger.info("expert_offload.cpu_tier (%s): computed %s (the tier's cores: %s); steps of up to %d tokens; "
+                    "split %s: %s; rates from the start-up probe of %s expert %d: %s", placement.rank_label(),
+                    tier.where, cpus.describe(), settings.max_tokens, settings.split, SPLIT_RULES[settings.split],
+                    layer.name, expert, rates.describe())
+        return rates
+
+    rates = placement.tier_rates(probe)
+    return CpuTierStep(TierSplit(settings, rates, expert_bytes), tier, layer.cache, layer.tables.in_gpu_tier,
+                       placement.tier_counters, row)
