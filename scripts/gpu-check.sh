@@ -15,14 +15,15 @@
 # CUDA part stubbed (GPU tests collected, not run; probe and benchmark at tiny sizes in Triton's interpreter): the
 # plumbing, as tests/tools/test_gpu_check.py runs it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # absolute: the bounded re-exec below runs after the cd
+cd "$(dirname "$SELF")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 # A dry run runs Triton's interpreter on a CPU that may be shared: each bound is SLACK times the real one.
 SLACK=$(( DRY ? ${GPU_CHECK_DRY_SLACK:-4} : 1 ))
 TOTAL_S="${GPU_CHECK_TOTAL_S:-$(( 470 * SLACK ))}"
 if [ -z "${GPU_CHECK_BOUNDED:-}" ]; then
-    GPU_CHECK_BOUNDED=1 exec timeout --kill-after=10 "$TOTAL_S" "$0" "$@"
+    GPU_CHECK_BOUNDED=1 exec timeout --kill-after=10 "$TOTAL_S" "$SELF" "$@"
 fi
 DEADLINE=$(( $(date +%s) + TOTAL_S - 10 ))
 [ "$DRY" = 1 ] && shift

@@ -13,6 +13,7 @@ from .tools import (
     check_kv_cmd,
     inspect_cmd,
     plan_cmd,
+    predict_decode_cmd,
     quantize_cmd,
     simulate_cache_cmd,
     simulate_cmd,
@@ -20,7 +21,7 @@ from .tools import (
 )
 
 COMMANDS = (inspect_cmd, quantize_cmd, plan_cmd, topology_cmd, check_kv_cmd, bench_kernels_cmd, simulate_cmd,
-            simulate_cache_cmd, bench_cmd)
+            simulate_cache_cmd, predict_decode_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,11 +184,66 @@ def test_truncated_safetensors_refused(tmp_path, keep):
     cut = {"all but 200 bytes": len(data) - 200, "all but 1 byte": len(data) - 1, "30 bytes": 30, "7 bytes": 7}[keep]
     shard.write_bytes(data[:cut])
     with pytest.raises(Exl3FormatError) as info:
-        ckpt = Exl3Checkpoint.open(tmp_path)
-        for suffix in BASE:  # if the header survived, reading the tensors must fail instead
-            ckpt.tensor(f"{NAME}.{suffix}")
+        Exl3Checkpoint.open(tmp_path)  # refused from the header and the file size, before any tensor is read
+    assert SHARD in str(info.value), str(info.value)
+
+
+def rewrite_header(shard, change, tail: bytes = b"") -> None:
+    """Re-serialize the shard's header after `change(header)` (same data region, plus `tail`)."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    change(header)
+    blob = json.dumps(header).encode()
+    shard.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + length:] + tail)
+
+
+def _offsets(name: str, delta_begin: int, delta_end: int):
+    def change(header):
+        begin, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [begin + delta_begin, end + delta_end]
+    return change
+
+
+def _last(header) -> str:
+    return max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("trailing bytes", "bytes after the last tensor"),
+    ("span shorter than the shape", "needs"),
+    ("gap before a tensor", "expected"),
+    ("unknown dtype", "unknown safetensors dtype"),
+    ("offsets reversed", "begin <= end"),
+    ("negative dimension", "non-negative"),
+    ("entry without data_offsets", "malformed"),
+])
+def test_bad_safetensors_layout_refused_by_file_and_tensor(tmp_path, case, expect):
+    shard = write_checkpoint(tmp_path)
+    trellis = f"{NAME}.trellis"
+    changes = {
+        "trailing bytes": (lambda h: None, b"\0" * 16),
+        "span shorter than the shape": (_offsets(trellis, 0, -2), b""),
+        "gap before a tensor": (lambda h: _offsets(_last(h), 2, 2)(h), b""),
+        "unknown dtype": (lambda h: h[trellis].update(dtype="Q4"), b""),
+        "offsets reversed": (lambda h: h[trellis].update(data_offsets=h[trellis]["data_offsets"][::-1]), b""),
+        "negative dimension": (lambda h: h[trellis].update(shape=[-1] + h[trellis]["shape"][1:]), b""),
+        "entry without data_offsets": (lambda h: h[trellis].pop("data_offsets"), b""),
+    }
+    change, tail = changes[case]
+    rewrite_header(shard, change, tail)
+    with pytest.raises(Exl3FormatError) as info:
+        Exl3Checkpoint.open(tmp_path)
     message = str(info.value)
-    assert SHARD in message or NAME in message, message
+    assert SHARD in message and expect in message, message
+    if case not in ("trailing bytes", "gap before a tensor"):
+        assert trellis in message, message
+
+
+def test_rewritten_header_without_change_is_accepted(tmp_path):
+    """Positive control for the layout cases: re-serializing the header alone keeps the shard valid."""
+    rewrite_header(write_checkpoint(tmp_path), lambda h: None)
+    assert Exl3Checkpoint.open(tmp_path).quantized_prefixes() == [NAME]
 
 
 def test_checkpoint_without_quantization_config(tmp_path):

@@ -8,12 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod
 from vllm_expert_offload.integration.startup import data_parallel
-from vllm_expert_offload.offload.counters import TierCounters
 from vllm_expert_offload.offload.phase import dummy_batch, dummy_batch_pass
 
-CPU = torch.device("cpu")
+from support.moe_runtimes import runtime
 
 
 def _step(monkeypatch, sizes: list[int] | None) -> None:
@@ -23,19 +21,18 @@ def _step(monkeypatch, sizes: list[int] | None) -> None:
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(dp_metadata=metadata))
 
 
-def test_each_engine_takes_its_own_rows_in_rank_order(monkeypatch) -> None:
+def test_each_engine_takes_its_own_rows_in_rank_order() -> None:
     gathered = torch.arange(7 * 2).view(7, 2)  # engine 0: 3 tokens, engine 1: none (idle), engine 2: 4 tokens
-    _step(monkeypatch, [3, 0, 4])
-    assert data_parallel.own_rows(gathered, 0, 3).tolist() == gathered[:3].tolist()
-    assert data_parallel.own_rows(gathered, 1, 3).numel() == 0
-    assert data_parallel.own_rows(gathered, 2, 3).tolist() == gathered[3:].tolist()
+    sizes = [3, 0, 4]
+    assert data_parallel.own_rows(gathered, sizes, 0, 3).tolist() == gathered[:3].tolist()
+    assert data_parallel.own_rows(gathered, sizes, 1, 3).numel() == 0
+    assert data_parallel.own_rows(gathered, sizes, 2, 3).tolist() == gathered[3:].tolist()
 
 
 @pytest.mark.parametrize("sizes", [None, [3, 3], [3, 4, 1]])
-def test_a_batch_that_does_not_split_into_the_engines_shares_is_refused(monkeypatch, sizes) -> None:
-    _step(monkeypatch, sizes)
+def test_a_batch_that_does_not_split_into_the_engines_shares_is_refused(sizes) -> None:
     with pytest.raises(data_parallel.GatheredBatchError, match=r"7 gathered tokens do not split into 3 engines"):
-        data_parallel.own_rows(torch.zeros(7, 2), 1, 3)
+        data_parallel.own_rows(torch.zeros(7, 2), sizes, 1, 3)
 
 
 def test_dummy_batches_run_under_the_flag() -> None:
@@ -49,29 +46,19 @@ def test_dummy_batches_run_under_the_flag() -> None:
     assert seen == [True] and not dummy_batch()
 
 
-class _Kernel:
-    def forward(self, x, weights, ids, on_input):
-        return x
-
-
-def _engine_method(recorded: list) -> Exl3MoEMethod:
-    """A bare EXL3 MoE method of DP rank 1 of 2 (no EP: every expert, as the engine test's other half covers EP)."""
-    method = Exl3MoEMethod.__new__(Exl3MoEMethod)
-    method.kernel, method.expert_map, method.layer_index, method.row = _Kernel(), None, 3, 0
-    method.placement = SimpleNamespace(recording=True, dp_rank=1, dp_size=2, tier_counters=TierCounters(1, CPU),
-                                       record=lambda layer, ids: recorded.append((layer, ids.tolist())))
-    method.in_gpu_tier, method.expert_bytes = torch.ones(8, dtype=torch.bool), torch.full((8,), 100)
-    method.check_ranks, method.apply_router_weight_on_input = False, False
-    return method
+def _engine_layer(recorded: list):
+    """Layer 3 of DP rank 1 of 2 (no EP: every expert, as the engine test's other half covers EP)."""
+    return runtime(torch.ones(8, dtype=torch.bool), layer_index=3, recording=True, dp_rank=1, dp_size=2,
+                   record=lambda layer, ids: recorded.append((layer, ids.tolist())))
 
 
 def test_the_moe_forward_counts_its_engines_rows_and_no_dummy_batch(monkeypatch) -> None:
     recorded = []
-    method = _engine_method(recorded)
+    layer = _engine_layer(recorded)
     gathered = torch.tensor([[0, 1], [2, 3], [4, 5]])  # engine 0's two tokens, then this engine's one
     _step(monkeypatch, [2, 1])
-    method.moe_forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
+    layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
     assert recorded == [(3, [[4, 5]])]
     with dummy_batch_pass():  # this engine's row is a dummy token: nothing of it is counted
-        method.moe_forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
+        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
     assert recorded == [(3, [[4, 5]])]

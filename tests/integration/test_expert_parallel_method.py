@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3.errors import Exl3FormatError
-from vllm_expert_offload.integration.methods.moe_method import Exl3MoEMethod, _rank_experts
-from vllm_expert_offload.offload.counters import GPU_READS, HOST_READS, TierCounters
+from vllm_expert_offload.integration.methods.moe_method import _rank_experts
+from vllm_expert_offload.offload.counters import GPU_READS, HOST_READS
 from vllm_expert_offload.offload.phase import profiling_pass
 from vllm_expert_offload.offload.rank_plan import RankExperts
+
+from support.moe_runtimes import runtime
 
 EXPERT_MAP = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32)  # EP rank 1 of 2, linear
 
@@ -35,46 +37,30 @@ def test_expert_parallelism_with_split_experts_is_refused_by_name() -> None:
         _rank_experts(layer, _parallel(tp_size=2))
 
 
-class _Kernel:
-    def __init__(self) -> None:
-        self.calls = []
-
-    def forward(self, x, weights, ids, on_input):
-        self.calls.append((weights.clone(), ids.clone()))
-        return x
-
-
-def _method() -> Exl3MoEMethod:
-    method = Exl3MoEMethod.__new__(Exl3MoEMethod)
-    method.kernel, method.expert_map, method.num_local_experts = _Kernel(), EXPERT_MAP, 4
-    method.placement = SimpleNamespace(recording=False, tier_counters=TierCounters(1, torch.device("cpu")))
-    method.row, method.check_ranks = 0, False
-    method.in_gpu_tier = torch.tensor([True, False, False, False])  # local expert 0 (global 4) in GPU memory
-    method.expert_bytes = torch.full((4,), 100)
-    method.apply_router_weight_on_input = False
-    return method
+def _runtime():
+    return runtime(torch.tensor([True, False, False, False]), EXPERT_MAP)  # local expert 0 (global 4) on the GPU
 
 
 def test_profiling_spreads_every_slot_over_this_ranks_experts() -> None:
     """The worst case of an EP rank is every selection landing on its own experts, all of them read; spreading
     over the global ids would hand other ranks' slots to local expert 0 with weight 0."""
-    method = _method()
+    layer = _runtime()
     ids = torch.zeros((6, 2), dtype=torch.int64)
     weights = torch.full((6, 2), 0.5)
     with profiling_pass():
-        method.moe_forward(torch.zeros(6, 4), weights, ids)
-    got_weights, got_ids = method.kernel.calls[0]
+        layer.forward(torch.zeros(6, 4), weights, ids)
+    got_weights, got_ids = layer.kernel.calls[0]
     assert sorted(set(got_ids.flatten().tolist())) == [0, 1, 2, 3]
     assert (got_weights == 0.5).all()
 
 
 def test_serving_maps_global_ids_and_zeroes_other_ranks_slots() -> None:
-    method = _method()
-    method.moe_forward(torch.zeros(2, 4), torch.tensor([[0.7, 0.3], [0.6, 0.4]]), torch.tensor([[5, 1], [0, 7]]))
-    weights, ids = method.kernel.calls[0]
+    layer = _runtime()
+    layer.forward(torch.zeros(2, 4), torch.tensor([[0.7, 0.3], [0.6, 0.4]]), torch.tensor([[5, 1], [0, 7]]))
+    weights, ids = layer.kernel.calls[0]
     assert ids.tolist() == [[1, 0], [0, 3]]
     assert weights.tolist() == [[pytest.approx(0.7), 0.0], [0.0, pytest.approx(0.4)]]
     # Read counters: only this rank's two host-tier reads (global 5, 7); the other rank's ids 1 and 0 are not
     # reads of local expert 0, which sits in the GPU tier here.
-    counts = method.placement.tier_counters.snapshot()[0]
+    counts = layer.placement.tier_counters.snapshot()[0]
     assert (counts[GPU_READS], counts[HOST_READS]) == (0, 2)

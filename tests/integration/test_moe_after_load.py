@@ -1,8 +1,8 @@
-"""Exl3MoEMethod's after-load check: an expert tensor the loader never delivered is named, not a KeyError later.
+"""An EXL3 MoE layer's after-load check: an expert tensor the loader never delivered is named, not a KeyError later.
 
 The checkpoint is validated before vLLM loads it, so a missing tensor in the file never reaches this check; what
 does is a tensor that is in the file but that vLLM's weight mapping never routes to the layer. No engine can be
-made to do that on purpose, so the method runs on a bare layer, fed through its own loader callback.
+made to do that on purpose, so the layer's loading runs on a bare layer, fed through its own loader callback.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.validate import validate_checkpoint
-from vllm_expert_offload.integration.methods.collectors import register_collectors
-from vllm_expert_offload.integration.methods.moe_method import COLLECTORS, Exl3MoEMethod
+from vllm_expert_offload.integration.methods.expert_loading import ExpertLoading
 from vllm_expert_offload.kernels.oracle import KernelChoice
 from vllm_expert_offload.testing.tiny_models import build_tiny_model
 
@@ -31,17 +30,19 @@ def checkpoint():
     return validate_checkpoint(Exl3Checkpoint.open(model)), load_file(model / "model.safetensors")
 
 
-def _method(summary) -> tuple[Exl3MoEMethod, torch.nn.Module]:
-    """The method after create_weights for layer 1, every expert but EXPERT already placed."""
-    method = Exl3MoEMethod.__new__(Exl3MoEMethod)
+def _loading(summary) -> tuple[ExpertLoading, torch.nn.Module]:
+    """Layer 1's loading after create_weights, every expert but EXPERT already placed."""
     layer = torch.nn.Module()
     layer.expert_map = None
     layer._map_global_expert_id_to_local_expert_id = lambda expert: expert
-    register_collectors(layer, COLLECTORS, method._load)
-    method.quant_config = SimpleNamespace(summary=summary)
-    method.layer_index, method.num_local_experts, method._layer = LAYER, EXPERTS, layer
-    method.placed = {e: object() for e in range(EXPERTS) if e != EXPERT}
-    return method, layer
+    loading = ExpertLoading(
+        layer=layer, op_name="model.layers.1.mlp.experts.exl3", layer_index=LAYER, geometry=None,
+        device=torch.device("cpu"), kernels=None, params_dtype=torch.float32, num_local_experts=EXPERTS, top_k=2,
+        swiglu_limit=None, summary=summary, placement=None, capture_rows=(),
+        placed={e: object() for e in range(EXPERTS) if e != EXPERT},
+    )
+    loading.register()
+    return loading, layer
 
 
 def _deliver(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], skip: str | None) -> None:
@@ -65,18 +66,18 @@ def _deliver(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], skip: str
 )
 def test_undelivered_expert_tensor_is_named(checkpoint, skip: str, message: str) -> None:
     summary, tensors = checkpoint
-    method, layer = _method(summary)
+    loading, layer = _loading(summary)
     _deliver(layer, tensors, f"model.layers.{LAYER}.mlp.experts.{EXPERT}.{skip}")
     with pytest.raises(Exl3FormatError, match=f"model.layers.{LAYER}.mlp.experts.{EXPERT}.{message}"):
-        method.process_weights_after_loading(layer)
+        loading.finish()
 
 
 def test_expert_never_delivered_is_named(checkpoint) -> None:
     summary, _ = checkpoint
-    method, layer = _method(summary)
+    loading, _ = _loading(summary)
     with pytest.raises(Exl3FormatError, match=rf"experts\.{EXPERT}\.gate_proj\.mul1: not delivered by the loader "
                                               r"\(received nothing\)"):
-        method.process_weights_after_loading(layer)
+        loading.finish()
 
 
 def test_the_placement_is_bounded_by_the_gpus_memory(monkeypatch: pytest.MonkeyPatch) -> None:

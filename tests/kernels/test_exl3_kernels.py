@@ -49,6 +49,7 @@ from support.moe_layers import (
     assert_close_to_reference,
     decode_with_kernel,
     expert_sets,
+    other_ranks_slots,
     placed_moe,
     routing,
 )
@@ -147,6 +148,11 @@ def test_grouped_blocks_cover_every_row_once_with_its_matrix() -> None:
     per_row, per_block = per_row_blocks(torch.tensor([3, 1, 3]), 16)
     assert per_block.tolist() == [3, 1, 3] and per_row.reshape(3, 16)[:, 0].tolist() == [0, 1, 2]
     assert (per_row.reshape(3, 16)[:, 1:] == -1).all()
+    ids = torch.tensor([2, -1, 0, 2, -1, -1, 1])  # rows of matrix -1 (another rank's expert) are in no block
+    row_ids, block_matrix = grouped_blocks(ids, 3, 2)
+    listed = {block: sorted(int(r) for r in rows if r >= 0)
+              for block, rows in zip(block_matrix.tolist(), row_ids.reshape(-1, 2).tolist()) if block >= 0}
+    assert listed == {0: [2], 1: [6], 2: [0, 3]} and block_matrix.shape[0] == -(-7 // 2) + 3
     rows_, blocks_ = single_matrix_blocks(17, 16, CPU)
     assert blocks_.tolist() == [0, 0] and rows_.tolist() == list(range(17)) + [-1] * 15
 
@@ -174,6 +180,32 @@ def test_moe_router_weight_on_input(full_layer) -> None:
     want = reference.forward(x, weights, ids, True)
     assert_close_to_reference(triton.forward(x, weights, ids, True), want)
     assert not torch.allclose(want, reference.forward(x, weights, ids, False), rtol=1e-2)
+
+
+def test_torch_reference_skips_expert_minus_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots of id -1 with nonzero weights add nothing, and no expert's weights are read for them: only the
+    host-tier experts of the other slots are decoded (`experts[-1]` would read the last expert)."""
+    reference, _, _ = placed_moe(FULL, CPU_MATMUL)
+    read: list[int] = []
+    weights_of = TableMoE._weights
+    monkeypatch.setattr(reference, "_weights", lambda e, device: read.append(e) or weights_of(reference, e, device))
+    x, weights, ids = routing(9, seed=9)
+    marked, want_ids, want_weights = other_ranks_slots(ids, weights)
+    got = reference.forward(x, weights, marked, False)
+    host_read = sorted({e for e in marked.reshape(-1).tolist() if e >= 0 and not TIERS[e]})
+    assert sorted(read) == host_read and (got[0] == 0).all()
+    assert_close_to_reference(got, reference.forward(x, want_weights, want_ids, False))  # batches of other sizes
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_moe_slots_of_expert_minus_one_add_nothing(full_layer, tokens: int) -> None:
+    """The shared glue (per-slot blocks at decode, grouped above) with -1 slots carrying nonzero weights."""
+    reference, kernel, _ = full_layer
+    x, weights, ids = routing(tokens, seed=tokens)
+    marked, want_ids, want_weights = other_ranks_slots(ids, weights)
+    got = kernel.forward(x, weights, marked, False)
+    assert (got[0] == 0).all()
+    assert_close_to_reference(got, reference.forward(x, want_weights, want_ids, False))
 
 
 @pytest.mark.parametrize(

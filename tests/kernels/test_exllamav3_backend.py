@@ -44,25 +44,42 @@ EXPERTS, HIDDEN = 6, 128
 
 
 def _coop(a: dict) -> None:
+    """exl3_moe_coop_kernel.cuh's slot_info: a slot is active when its weight is nonzero and, with min_expert >= 0,
+    its id is in [min_expert, max_expert); an active slot reads the tables at id - min_expert (must be in range)."""
     x, sel, rw = a["x"].float(), a["sel"], a["rw"].float()
-    assert a["min_expert"] == -1 and a["Hi"] == x.shape[1] and (a["ctr"] == 0).all()
+    assert a["Hi"] == x.shape[1] and (a["ctr"] == 0).all()
     assert sel.shape[0] <= 8 and a["out"].shape[0] == 8  # fixed rows: the counter layout never moves
-    a["out"][: x.shape[0]] = ((sel.float() + 1) * rw).sum(1, keepdim=True) * x
+    active = rw != 0
+    local = sel
+    if a["min_expert"] >= 0:
+        active &= (sel >= a["min_expert"]) & (sel < a["max_expert"])
+        local = sel - a["min_expert"]
+    read = local[active]
+    assert ((read >= 0) & (read < a["u_trellis"].shape[0])).all(), f"tables read at {read.tolist()}"
+    a["out"][: x.shape[0]] = torch.where(active, (local.float() + 1) * rw, 0).sum(1, keepdim=True) * x
 
 
 def _moe(a: dict) -> None:
+    """exl3_moe.cu: expert_count has num_experts + 1 bins, the last (the sentinel) ignored."""
     count, start = a["expert_count"], a["fused_base"]
-    assert a["num_active"] == -1 and a["count_lo"] == 1 and (count <= a["count_hi"]).all()
+    experts = a["gate_ptrs_trellis"].shape[0]
+    assert count.shape == (experts + 1,) and a["num_active"] == -1 and a["count_lo"] == 1
+    assert (count[:experts] <= a["count_hi"]).all()
     assert a["temp_state_g"].shape[1] >= a["count_hi"] and a["hidden_state"].dtype == torch.float16
     expert_of = torch.repeat_interleave(torch.arange(count.numel()), count)
     for i, (e, t) in enumerate(zip(expert_of.tolist(), a["token_sorted"].tolist())):
+        if e == experts:
+            continue
         slot = start[e] + i - (torch.cumsum(count, 0) - count)[e]
         a["output_scratch"][slot] = a["weight_sorted"][i].float() * (e + 1) * a["hidden_state"][t].float()
 
 
 def _gather(a: dict) -> None:
+    """exl3_moe_gather_kernel: a slot whose expert is outside [0, num_experts) adds nothing."""
     top_k = a["flat_expert"].numel() // a["output_state"].shape[0]
     for slot_index, e in enumerate(a["flat_expert"].tolist()):  # token-major, k order within a token
+        if not 0 <= e < a["slot_kind"].numel():
+            continue
         assert a["slot_kind"][e] == 1
         slot = a["slot_base"][e] + a["inv_order"][slot_index] - a["expert_start"][e]
         a["output_state"][slot_index // top_k] += a["output_scratch"][slot]
@@ -136,6 +153,31 @@ def test_moe_routes_every_slot_through_the_right_kernel(fake_ext, tokens: int, k
     want = ((ids.float() + 1) * weights.half().float()).sum(1, keepdim=True) * x.half().float()
     assert fake_ext.calls == kernels and got.dtype == torch.bfloat16 and got.shape == x.shape
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 9, MOE_ROWS + 5])
+def test_moe_slots_of_expert_minus_one_add_nothing(fake_ext, tokens: int) -> None:
+    """Expert parallelism's -1 (another rank's expert), with a nonzero router weight, in both kernels: the other
+    slots' sum, and no table read at -1 (the fakes follow exllamav3's expert range and sentinel bin)."""
+    layer = _layer(fake_ext)
+    x, weights, ids = _routing(tokens, top_k=3)
+    ids[::2, 1] = -1
+    ids[0] = -1  # a token with no expert of this rank
+    got = layer.forward(x, weights, ids, False)
+    want = torch.where(ids >= 0, (ids.float() + 1) * weights.half().float(), 0).sum(1, keepdim=True) * x.half().float()
+    assert (got[0] == 0).all()
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 9])
+def test_moe_output_is_contiguous_like_its_fake(fake_ext, dtype: torch.dtype, tokens: int) -> None:
+    """The layer's width (96) is padded to 128 inside: the output is still a contiguous (tokens, 96) tensor, as
+    the op's fake (kernels/ops.py) tells the compiler."""
+    layer = _layer(fake_ext)
+    x, weights, ids = _routing(tokens, top_k=2)
+    got = layer.forward(x.to(dtype), weights, ids, False)
+    assert got.shape == (tokens, HIDDEN - 32) and got.dtype == dtype and got.is_contiguous()
 
 
 def test_moe_router_weight_on_input(fake_ext) -> None:

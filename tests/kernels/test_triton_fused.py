@@ -47,6 +47,7 @@ from support.moe_layers import (
     assert_close_to_reference,
     assert_dequantize_every_rate,
     expert_sets,
+    other_ranks_slots,
     placed_moe,
     routing,
 )
@@ -249,6 +250,26 @@ def test_each_chunk_takes_only_its_own_experts(monkeypatch: pytest.MonkeyPatch) 
     assert later.any() and not later.all()
     assert got[later].isnan().all()
     assert_close_to_reference(got[~later], want[~later])
+
+
+@pytest.mark.parametrize("tokens", [3, 20, 70])
+def test_slots_of_expert_minus_one_add_nothing(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    """Expert parallelism's -1 with nonzero router weights, in every path: decode (split, in-kernel dedup), 17-64
+    tokens and a prefill with dequantized experts (threshold 20). The per-slot buffers start as NaN, so a -1
+    slot's unwritten rows would show in the sum; its token 0 (every slot -1) is exactly zero."""
+    reference, fused, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    x, weights, ids = routing(tokens, seed=tokens)
+    marked, want_ids, want_weights = other_ranks_slots(ids, weights)
+    if tokens == 70:
+        _both_paths(marked[marked >= 0])
+    _poison_workspaces(monkeypatch, "moe_out", "moe_partial")
+    got = fused.forward(x, weights, marked, False)
+    assert (got[0] == 0).all()
+    assert_close_to_reference(got, reference.forward(x, want_weights, want_ids, False))
+
+
+def test_slot_counts_leave_out_expert_minus_one() -> None:
+    assert slot_counts(torch.tensor([[1, -1], [-1, 1], [0, 3]]).reshape(-1), 4).tolist() == [1, 2, 0, 1]
 
 
 def test_dequantized_prefill_launches_a_fixed_set() -> None:

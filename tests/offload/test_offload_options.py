@@ -192,3 +192,45 @@ def test_bad_dynamic_values_refused_with_key_named(dynamic, named: str) -> None:
 def test_dynamic_without_a_host_tier_refused() -> None:
     with pytest.raises(OffloadOptionError, match=r"expert_offload\.dynamic: only used together with"):
         parse_offload_options({"expert_offload": {"dynamic": {"policy": "lru"}}})
+
+
+def test_cpu_tier_parsed_once_off_unless_asked() -> None:
+    assert parse_offload_options({"expert_offload": {"host_fraction": 0.5}}).cpu_tier is None
+    auto = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "cpu_tier": {}}}).cpu_tier
+    assert (auto.threads, auto.cpus, auto.max_tokens, auto.split) == (None, None, 64, "auto")
+    given = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "cpu_tier": {
+        "threads": 3, "cpus": "7,2-3", "max_tokens": 5, "split": "all"}}}).cpu_tier
+    assert (given.threads, given.cpus, given.max_tokens, given.split) == (3, (2, 3, 7), 5, "all")
+    assert parse_offload_options({"expert_offload": {"plan": __file__, "cpu_tier": {"threads": "auto"}}}).cpu_tier
+
+
+@pytest.mark.parametrize(
+    ("cpu_tier", "named"),
+    [
+        ({"threads": 0}, "cpu_tier.threads: expected \"auto\" or an integer >= 1, got 0"),
+        ({"threads": 2.0}, "cpu_tier.threads: expected"),
+        ({"threads": True}, "cpu_tier.threads: expected"),
+        ({"threads": "all"}, "cpu_tier.threads: expected"),
+        ({"cpus": ""}, "cpu_tier.cpus: expected"),
+        ({"cpus": "3-1"}, "cpu_tier.cpus: expected"),
+        ({"cpus": "0,3-1"}, "cpu_tier.cpus: expected"),
+        ({"cpus": "1,1"}, "cpu_tier.cpus: expected"),
+        ({"cpus": "-1"}, "cpu_tier.cpus: expected"),
+        ({"cpus": "a-b"}, "cpu_tier.cpus: expected"),
+        ({"cpus": [1, 2]}, "cpu_tier.cpus: expected"),
+        ({"cpus": "0-1", "threads": 3}, "cpu_tier.threads: 3 threads on the 2 CPUs"),
+        ({"max_tokens": 0}, "cpu_tier.max_tokens: expected an integer >= 1"),
+        ({"max_tokens": 1.5}, "cpu_tier.max_tokens: expected an integer >= 1"),
+        ({"split": "half"}, "cpu_tier.split: 'half' is not one of"),
+        ({"thread": 2}, "cpu_tier.thread: unknown option"),
+        ("auto", "cpu_tier: expected an object"),
+    ],
+)
+def test_bad_cpu_tier_values_refused_with_key_named(cpu_tier, named: str) -> None:
+    with pytest.raises(OffloadOptionError, match="expert_offload." + named.replace(".", r"\.")):
+        parse_offload_options({"expert_offload": {"host_fraction": 0.5, "cpu_tier": cpu_tier}})
+
+
+def test_cpu_tier_without_a_host_tier_refused() -> None:
+    with pytest.raises(OffloadOptionError, match=r"expert_offload\.cpu_tier: only used together with"):
+        parse_offload_options({"expert_offload": {"cpu_tier": {}}})

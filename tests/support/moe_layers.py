@@ -121,6 +121,16 @@ def routing(tokens: int, seed: int, device: torch.device = CPU,
 FULL = ExpertCrop(HIDDEN, INTERMEDIATE, 0)
 
 
+def other_ranks_slots(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids with -1, expert parallelism's "another rank's expert", on every third slot and on all of token 0's;
+    the ids and weights a reference computes the same sum from: those slots on expert 0 with weight 0). The
+    kernel under test keeps its nonzero weights on the -1 slots: they must add nothing anyway."""
+    marked = ids.clone()
+    marked.view(-1)[::3] = -1
+    marked[0] = -1
+    return marked, torch.where(marked >= 0, marked, 0), torch.where(marked >= 0, weights, 0)
+
+
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor) -> None:
     """fp32 on both sides, in a different order (rotated basis vs dequantized weights); the random scales make
     large terms that cancel, so the tolerance is relative to the output's magnitude."""

@@ -33,9 +33,11 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _run(args: list[str], env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+def _run(args: list[str], env: dict[str, str], timeout: float,
+         command: tuple[str, ...] = ("bash", str(SCRIPT)), cwd: Path | None = None
+         ) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    result = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     return result, time.monotonic() - start
 
 
@@ -62,8 +64,10 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
 
 
 def test_without_cuda_it_exits_2_at_once_having_checked_nothing(tmp_path: Path) -> None:
+    """Run as `./gpu-check.sh` from scripts/: the script re-executes itself under its time bound after changing to
+    the repository root, so it must re-execute its absolute path (a relative $0 no longer resolves there)."""
     out = tmp_path / "results"
-    result, seconds = _run([str(out)], _env(tmp_path), timeout=120)
+    result, seconds = _run([str(out)], _env(tmp_path), timeout=120, command=("./gpu-check.sh",), cwd=SCRIPT.parent)
     assert result.returncode == 2 and "no CUDA device" in result.stdout  # the script logs stderr with stdout
     assert seconds < 60 and _rows(out / "gpu-check.jsonl") == [
         {"step": "cuda", "status": "failed", "reason": f"no CUDA device visible to {sys.executable}'s torch"}]

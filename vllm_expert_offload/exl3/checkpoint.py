@@ -49,7 +49,47 @@ def read_header(file: Path) -> tuple[int, dict[str, dict[str, Any]]]:
     if len(blob) != length or not isinstance(header, dict):
         raise Exl3FormatError(f"{file.name}: truncated or malformed safetensors header")
     header.pop("__metadata__", None)
+    check_data_layout(file, header, file.stat().st_size - 8 - length)
     return 8 + length, header
+
+
+def _entry_span(file: Path, name: str, entry: Any) -> tuple[int, int]:
+    """(begin, end) of one tensor's bytes, checked against its dtype and shape as safetensors checks them."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Exl3FormatError(f"{file.name}: {name}: malformed safetensors header entry ({exc!r})") from exc
+    if dtype not in DTYPE_BYTES:
+        raise Exl3FormatError(f"{file.name}: {name}: unknown safetensors dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise Exl3FormatError(f"{file.name}: {name}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        raise Exl3FormatError(f"{file.name}: {name}: data_offsets {[begin, end]} are not 0 <= begin <= end")
+    count = DTYPE_BYTES[dtype]
+    for dim in shape:
+        count *= dim
+    if end - begin != count:
+        raise Exl3FormatError(f"{file.name}: {name}: data_offsets {[begin, end]} span {end - begin:,} bytes, its "
+                              f"{dtype} shape {shape} needs {count:,}")
+    return begin, end
+
+
+def check_data_layout(file: Path, header: dict[str, Any], data_bytes: int) -> None:
+    """The tensors must tile the data region exactly, as safetensors requires when vLLM opens the shard: checked
+    here so a truncated or padded shard is refused with its file (and the tensor it cuts) named, before vLLM's
+    loader fails inside safetensors with a message naming neither."""
+    covered = 0
+    for begin, end, name in sorted((*_entry_span(file, name, entry), name) for name, entry in header.items()):
+        if begin != covered:
+            raise Exl3FormatError(f"{file.name}: {name} starts at data offset {begin:,}, expected {covered:,} "
+                                  f"(tensors must tile the data region without gaps or overlaps)")
+        if end > data_bytes:
+            raise Exl3FormatError(f"{file.name}: truncated: {name} ends at data offset {end:,} but the file holds "
+                                  f"only {data_bytes:,} bytes of data")
+        covered = end
+    if covered != data_bytes:
+        raise Exl3FormatError(f"{file.name}: {data_bytes - covered:,} bytes after the last tensor's data "
+                              f"(the header covers {covered:,} of {data_bytes:,})")
 
 
 @dataclass
@@ -123,12 +163,9 @@ class Exl3Checkpoint:
     def header_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, dtype) from headers only."""
         out = {}
-        for name, file in self.tensor_files.items():
+        for name, file in self.tensor_files.items():  # entries were checked by read_header
             entry = self.headers[file][1][name]
-            try:
-                out[name] = (tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise Exl3FormatError(f"{name}: malformed safetensors header entry in {file.name} ({exc!r})") from exc
+            out[name] = (tuple(entry["shape"]), entry["dtype"])
         return out
 
     def small_tensor_bytes(self, name: str, limit: int = 64) -> bytes:

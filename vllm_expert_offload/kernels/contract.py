@@ -72,7 +72,13 @@ class MoEKernel(Protocol):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
     ) -> torch.Tensor:
-        """Router-weighted sum over this rank's routed experts; topk_ids are local ids; (tokens, crop.hidden)."""
+        """Router-weighted sum over this rank's routed experts; topk_ids are local ids; (tokens, crop.hidden).
+
+        An id of -1 marks a slot that is not this rank's (expert parallelism: another rank's expert) or not this
+        kernel's: whatever its router weight, it contributes exactly zero, no expert's weights are read for it,
+        it takes no expert's rows, and it is counted as no expert's read (the tier counters and the expert cache's
+        policy skip it too). vLLM's own fused MoE kernels keep -1 the same way. Every backend honours it; layer
+        code passes -1 through rather than mapping it to a real expert."""
         ...
 
 

@@ -293,7 +293,9 @@ class Exllamav3MoE:
                              for s in range(0, tokens, MOE_ROWS)])
         if profiling() and not self.warm:
             self.warm_up(top_k)
-        return out[:, : self.hidden].to(x.dtype)
+        # Contiguous as exl3_moe's fake promises (kernels/ops.py): a padded width's slice of an fp32 output is a
+        # strided view, which `.to(float32)` would hand back as it is.
+        return out[:, : self.hidden].to(x.dtype).contiguous()
 
     def _launch(self, name: str, **arguments: object) -> None:
         with one_stream(self.device):
@@ -306,7 +308,9 @@ class Exllamav3MoE:
             self.coop[top_k] = _CoopScratch.allocate(top_k, self.width, self.intermediate, self.device)
         s = self.coop[top_k]
         self._launch(
-            "exl3_moe_coop", x=hidden, sel=ids, rw=weights, min_expert=-1, max_expert=-1, Hi=self.width,
+            # The expert range makes a slot of id -1 (not this rank's) inactive whatever its weight: with
+            # min_expert -1 the kernel would index the tables at -1 (exl3_moe_coop_kernel.cuh, slot_info).
+            "exl3_moe_coop", x=hidden, sel=ids, rw=weights, min_expert=0, max_expert=self.num_experts, Hi=self.width,
             **self._tables({"gate": "g", "up": "u", "down": "d"}, {part: part for part in PARTS}),
             g_bias=None, u_bias=None, d_bias=None, Kg=self.k["gate"], Ku=self.k["up"], Kd=self.k["down"],
             mcg=self.mcg, mul1=self.mul1, act=ACT_SILU, act_limit=0.0, gated=True,
@@ -317,9 +321,11 @@ class Exllamav3MoE:
 
     def _prefill(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """exl3_moe over at most MOE_ROWS tokens (so no expert exceeds the temp rows), every slot written once
-        into a scratch and summed per token in k order by exl3_moe_gather. Device ops only: no count read back."""
+        into a scratch and summed per token in k order by exl3_moe_gather. Device ops only: no count read back.
+        A slot of id -1 (not this rank's) goes to exllamav3's sentinel bin, expert_count's last entry, which
+        exl3_moe ignores; exl3_moe_gather skips an expert outside [0, num_experts)."""
         tokens, top_k = ids.shape
-        flat = ids.reshape(-1)
+        flat = torch.where(ids >= 0, ids, self.num_experts).reshape(-1)
         order = torch.argsort(flat, stable=True)
         inv_order = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
         token_sorted = torch.div(torch.arange(flat.numel(), device=flat.device), top_k, rounding_mode="floor")[order]

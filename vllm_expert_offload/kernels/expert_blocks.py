@@ -12,6 +12,7 @@ boolean indexing) and have sizes that depend on the batch shape alone, so they r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def per_row_blocks(matrix_of_row: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,20 +31,26 @@ def single_matrix_blocks(rows: int, block_m: int, device: torch.device) -> tuple
     return row_ids, torch.zeros(blocks, dtype=torch.int32, device=device)
 
 
+def _sunk(matrix_of_row: torch.Tensor, num_matrices: int) -> torch.Tensor:
+    """int64 ids with every -1 (a row no matrix of this launch takes: another expert-parallel rank's expert) moved
+    to a sink id `num_matrices` past the real ones, so that counting and sorting leave it last and drop it."""
+    return matrix_of_row.to(torch.int64).remainder(num_matrices + 1)  # one op: -1 -> num_matrices, ids unchanged
+
+
 def slot_counts(matrix_of_row: torch.Tensor, num_matrices: int) -> torch.Tensor:
-    """int64 (num_matrices,): how many rows each matrix has."""
-    ids = matrix_of_row.to(torch.int64)
-    counts = torch.zeros(num_matrices, dtype=torch.int64, device=matrix_of_row.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+    """int64 (num_matrices,): how many rows each matrix has (rows of matrix -1 are no matrix's)."""
+    ids = _sunk(matrix_of_row, num_matrices)
+    counts = torch.zeros(num_matrices + 1, dtype=torch.int64, device=matrix_of_row.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_matrices]
 
 
 def grouped_blocks(
     matrix_of_row: torch.Tensor, num_matrices: int, block_m: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_ids, block_matrix): rows of each matrix packed into consecutive blocks, in row order. `counts`: the
-    rows' `slot_counts` where the caller has them already."""
+    """(row_ids, block_matrix): rows of each matrix packed into consecutive blocks, in row order; rows of matrix -1
+    in no block. `counts`: the rows' `slot_counts` where the caller has them already."""
     device = matrix_of_row.device
-    ids = matrix_of_row.to(torch.int64)
+    ids = _sunk(matrix_of_row, num_matrices)
     rows = ids.shape[0]
     max_blocks = -(-rows // block_m) + num_matrices
     if counts is None:
@@ -51,12 +58,16 @@ def grouped_blocks(
     blocks_per_matrix = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks_per_matrix, 0)
     row_start = torch.cumsum(counts, 0) - counts  # first sorted position of each matrix's rows
+    # The sunk rows (sorted last) rank from 0 in a sink block past the real ones, sliced off below.
+    row_start = F.pad(row_start, (0, 1))
+    block_start = F.pad(block_end - blocks_per_matrix, (0, 1), value=max_blocks)
     order = torch.argsort(ids, stable=True)
     sorted_ids = ids[order]
     rank = torch.arange(rows, device=device) - row_start[sorted_ids]
-    position = (block_end - blocks_per_matrix)[sorted_ids] * block_m + rank
-    row_ids = torch.full((max_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    position = block_start[sorted_ids] * block_m + rank
+    row_ids = torch.full((max_blocks * block_m + rows,), -1, dtype=torch.int32, device=device)
     row_ids[position] = order.to(torch.int32)
+    row_ids = row_ids[: max_blocks * block_m]
     block_matrix = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
     block_matrix = torch.where(block_matrix < num_matrices, block_matrix, -1)
     return row_ids, block_matrix.to(torch.int32)

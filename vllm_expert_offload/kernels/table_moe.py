@@ -71,10 +71,13 @@ class TableMoE:
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, apply_router_weight_on_input: bool
     ) -> torch.Tensor:
-        """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
+        """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids, -1 for a slot
+        that is not this rank's (it adds nothing and no expert is read for it)."""
         out = torch.zeros_like(x)
         weights = topk_weights.to(x.dtype)
         for expert in torch.unique(topk_ids).tolist():
+            if expert < 0:  # not this rank's: `self.experts[-1]` would read the last expert
+                continue
             tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
             w13, w2 = self.resident[expert] if expert in self.resident else self._weights(expert, x.device)
             route = weights[tokens, slots, None]

@@ -252,16 +252,19 @@ def moe_down_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, parts, num_slots, size_n, hidden, out_ptr, stride_om, TOP_K: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype."""
+def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_n, hidden, out_ptr, stride_om,
+                   TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype; a slot of expert -1
+    (not this rank's) adds nothing: no kernel wrote its rows."""
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(TOP_K):
+        width = tl.where(tl.load(ids_ptr + token * stride_i0 + j * stride_i1) >= 0, hidden, 0)
         for part in range(parts):
-            acc += tl.load(y_ptr + (part * num_slots + token * TOP_K + j) * size_n + offs, mask=ok, other=0.0)
+            acc += tl.load(y_ptr + (part * num_slots + token * TOP_K + j) * size_n + offs, mask=offs < width,
+                           other=0.0)
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -307,11 +310,12 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
     )
 
 
-def _launch_sum(y, out, top_k):
+def _launch_sum(y, ids, out):
     parts, num_slots, size_n = y.shape
     tokens, hidden = out.shape
     moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        y, parts, num_slots, size_n, hidden, out, out.stride(0), TOP_K=top_k, BLOCK=SUM_BLOCK)
+        y, ids, ids.stride(0), ids.stride(1), parts, num_slots, size_n, hidden, out, out.stride(0),
+        TOP_K=ids.shape[1], BLOCK=SUM_BLOCK)
 
 
 _ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix"
@@ -332,7 +336,7 @@ _down = register_launch(
     f"float? swiglu_limit, int twice_k, int codebook, {_FLAGS}",
     _launch_down,
 )
-_sum = register_launch("moe_sum_triton", "Tensor y, Tensor(a!) out, int top_k", _launch_sum)
+_sum = register_launch("moe_sum_triton", "Tensor y, Tensor ids, Tensor(a!) out", _launch_sum)
 
 
 class FusedTritonMoE:
@@ -433,7 +437,7 @@ class FusedTritonMoE:
             self.prefill.forward(x, topk_weights, topk_ids, counts, partial, y, fill, apply_router_weight_on_input)
         if self.cache is not None:
             self.cache.finish()  # every trellis read of this forward is queued: the tables switch now
-        _sum(y, out, top_k)
+        _sum(y, topk_ids, out)
         return out
 
 

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ExpertOffloadError
 from ..placement._atomic import replace_refusal
 from ..validation import finite_number, refuse_unknown
 from .cache_policy import CacheSettings, CacheSettingsError, parse_cache_settings
+from .cpu_tier import CpuTierSettings, CpuTierSettingsError, parse_cpu_tier_settings
 
 OPTION_KEY = "expert_offload"
 # The EXL3 backends `kernel` may name; kernels/oracle.py decides which runs and refuses what cannot.
 BACKENDS = ("auto", "cpu", "exllamav3", "triton", "torch")
 _PLACEMENT_KEYS = ("plan", "gpu_budget_gib", "host_fraction")
 _KNOWN = frozenset({*_PLACEMENT_KEYS, "stats", "record_stats", "record_stats_interval_s", "min_free_fraction", "kernel",
-                    "dequantize_linears", "dynamic"})
+                    "dequantize_linears", "dynamic", "cpu_tier"})
+T = TypeVar("T")
 DEFAULT_MIN_FREE_FRACTION = 0.03
 DEFAULT_RECORD_STATS_INTERVAL_S = 300.0
 MIN_RECORD_STATS_INTERVAL_S = 1.0  # each save is an engine-wide RPC and a file write: not a busy loop
@@ -45,6 +48,7 @@ class OffloadOptions:
     kernel: str = "auto"  # one of BACKENDS: the EXL3 backend asked for (kernels/oracle.py decides and refuses)
     dequantize_linears: bool = False  # decode dense EXL3 linears once at load (memory for speed)
     dynamic: CacheSettings | None = None  # the GPU tier as an expert cache (docs/placement.md); None: static plan
+    cpu_tier: CpuTierSettings | None = None  # host cores compute host-resident misses (offload/cpu_tier.py); None: off
 
     @property
     def offloads(self) -> bool:
@@ -128,6 +132,9 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
     if "dynamic" in raw and not any(k in raw for k in _PLACEMENT_KEYS):
         raise OffloadOptionError(f"{_where('dynamic')}: only used together with one of {list(_PLACEMENT_KEYS)} "
                                  "(without a host tier there is nothing to cache)")
+    if "cpu_tier" in raw and not any(k in raw for k in _PLACEMENT_KEYS):
+        raise OffloadOptionError(f"{_where('cpu_tier')}: only used together with one of {list(_PLACEMENT_KEYS)} "
+                                 "(without a host tier no expert is on the host to compute there)")
     return OffloadOptions(
         plan=_path(raw, "plan", must_exist=True),
         gpu_budget_gib=_number(raw, "gpu_budget_gib", 0.0, 1e6),
@@ -139,15 +146,17 @@ def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOp
         min_free_fraction=_number(raw, "min_free_fraction", 0.0, 0.5, DEFAULT_MIN_FREE_FRACTION),
         kernel=_choice(raw, "kernel", BACKENDS, "auto"),
         dequantize_linears=_flag(raw, "dequantize_linears"),
-        dynamic=_dynamic(raw),
+        dynamic=_section(raw, "dynamic", parse_cache_settings, CacheSettingsError),
+        cpu_tier=_section(raw, "cpu_tier", parse_cpu_tier_settings, CpuTierSettingsError),
     )
 
 
-def _dynamic(raw: dict[str, Any]) -> CacheSettings | None:
-    """`dynamic` parsed by the policy's own reader; its refusals become this module's, naming the key."""
-    if "dynamic" not in raw:
+def _section(raw: dict[str, Any], key: str, parse: Callable[[Any, str], T], error: type[ExpertOffloadError]) -> T | None:
+    """A nested object (`dynamic`, `cpu_tier`) parsed by its own module's reader; its refusals become this
+    module's, naming the key."""
+    if key not in raw:
         return None
     try:
-        return parse_cache_settings(raw["dynamic"], _where("dynamic"))
-    except CacheSettingsError as exc:
+        return parse(raw[key], _where(key))
+    except error as exc:
         raise OffloadOptionError(str(exc)) from None

@@ -14,13 +14,19 @@ with per-token selection probability p_e is read with probability 1 - (1 - p_e)^
 Every selected expert is read once per token (weights dominate at batch 1); compute, launch overhead, attention KV
 reads, the LM head and sampling are left out, so absolute numbers are lower bounds on time per token. With expected
 (count-derived) bytes instead of per-token bytes, the `max` form is a lower bound of the per-token mean (Jensen).
+
+The CPU tier (issue 41) splits each step's host-resident misses between the device path and the host cores:
+`TierRates` holds the rates measured at startup and `balanced_cpu_split` the per-step choice, one rule for the
+server's forward and for any prediction of it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .errors import PlacementError
 
@@ -127,3 +133,86 @@ def step_bound(
     gpu, host = expected_layer_bytes(host_fraction, expert_bytes, reads)
     step_s = float(np.sum(model.layer_seconds(gpu, host)))
     return StepBound(concurrency, float(reads.sum(axis=1).mean()), float(gpu.sum()), float(host.sum()), step_s)
+
+
+@dataclass(frozen=True)
+class TierRates:
+    """What the CPU tier's split decides from: how fast each tier finishes one host-resident expert of a step.
+
+    `cpu_points`: (tokens, trellis bytes/s) measured by the startup probe (offload/cpu_tier.py) of the CPU kernel
+    with that many tokens on one expert (each decoded tile used for every token, so bytes/s falls as tokens grow);
+    `device_bytes_per_s`: the rate at which the device path reads a host-resident expert (on a GPU its mapped
+    (zero-copy) read over the link; on the CPU engine the device path's own kernel); `cpu_overhead_s`: the fixed
+    cost of a step that gives the CPU any expert (handing the job over, copying rows and partial sums).
+    """
+
+    cpu_points: tuple[tuple[int, float], ...]
+    device_bytes_per_s: float
+    cpu_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        counts = [n for n, _ in self.cpu_points]
+        if not counts or counts != sorted(set(counts)) or counts[0] < 1:
+            raise PlacementError(f"cpu_points must be ascending distinct token counts >= 1, got {counts}")
+        if not all(math.isfinite(r) and r > 0 for _, r in self.cpu_points):
+            raise PlacementError(f"cpu_points rates must be finite and > 0, got {[r for _, r in self.cpu_points]}")
+        if not (math.isfinite(self.device_bytes_per_s) and self.device_bytes_per_s > 0):
+            raise PlacementError(f"device_bytes_per_s must be finite and > 0, got {self.device_bytes_per_s}")
+        if not (math.isfinite(self.cpu_overhead_s) and self.cpu_overhead_s >= 0):
+            raise PlacementError(f"cpu_overhead_s must be finite and >= 0, got {self.cpu_overhead_s}")
+
+    def cpu_seconds_per_byte(self, max_tokens: int) -> np.ndarray:
+        """Seconds per trellis byte of one expert computed on the CPU with n = 0..max_tokens tokens.
+
+        Between probed counts the next larger count's rate is taken (never optimistic); beyond the largest, time
+        grows in proportion to the tokens. Made non-decreasing in n (more tokens never cost less), which is what
+        lets the split order candidates by their token count alone."""
+        counts = np.array([n for n, _ in self.cpu_points])
+        per_byte = 1.0 / np.array([r for _, r in self.cpu_points])
+        n = np.arange(max_tokens + 1)
+        at = np.minimum(np.searchsorted(counts, n), len(counts) - 1)
+        table = np.where(n <= counts[-1], per_byte[at], per_byte[-1] * n / counts[-1])
+        table[0] = 0.0
+        return np.maximum.accumulate(table)
+
+    def describe(self) -> str:
+        """For the startup log: the measured rates the split decides from."""
+        cpu = ", ".join(f"{n} tok {r / 1e9:.2f}" for n, r in self.cpu_points)
+        return (f"CPU kernel GB/s of trellis [{cpu}], device path {self.device_bytes_per_s / 1e9:.2f} GB/s, "
+                f"CPU step overhead {self.cpu_overhead_s * 1e6:.0f} us")
+
+
+def balanced_cpu_split(
+    seconds_per_byte: torch.Tensor, device_bytes_per_s: float, cpu_overhead_s: float, tokens: torch.Tensor,
+    candidates: torch.Tensor, expert_bytes: torch.Tensor, device_base_s: float | torch.Tensor = 0.0,
+) -> torch.Tensor:
+    """Which candidates of each step go to the CPU so that the device path and the CPU finish together.
+
+    Shapes: `tokens` int [..., E] (tokens routed to each expert this step), `candidates` bool [..., E] (routed,
+    host-resident, not cached: only these may leave the device path), `expert_bytes` [E] or [..., E],
+    `seconds_per_byte` the table of `TierRates.cpu_seconds_per_byte` (covering every count in `tokens`),
+    `device_base_s` the device's own work of the step (its GPU-resident experts; a float or a tensor broadcasting
+    against [..., 1]). Returns bool [..., E].
+
+    Candidates are ordered by (tokens, expert id): a byte costs the device the same for every expert while the CPU
+    pays more per byte the more tokens an expert has, so an expert with fewer tokens gains at least as much on the
+    CPU. The CPU takes the prefix of that order minimising max(device time, CPU time), the shortest such prefix on a
+    tie. Device tensor ops only (no host synchronisation, fixed shapes), so a captured CUDA graph can replay it.
+    """
+    num_experts = tokens.shape[-1]
+    ids = torch.arange(num_experts, device=tokens.device)
+    key = torch.where(candidates, tokens.long() * num_experts + ids, torch.iinfo(torch.int64).max)
+    order = torch.argsort(key, dim=-1, stable=True)
+    nbytes = torch.broadcast_to(expert_bytes, tokens.shape).to(torch.float64)
+    cpu_s = torch.where(candidates, nbytes * seconds_per_byte.to(tokens.device, torch.float64)[tokens.long()], 0.0)
+    device_s = torch.where(candidates, nbytes / device_bytes_per_s, 0.0)
+    zero = torch.zeros((*tokens.shape[:-1], 1), dtype=torch.float64, device=tokens.device)
+    cpu_prefix = torch.cat([zero, torch.cumsum(torch.gather(cpu_s, -1, order), -1)], -1)
+    device_prefix = torch.cat([zero, torch.cumsum(torch.gather(device_s, -1, order), -1)], -1)
+    overhead = torch.full_like(cpu_prefix, cpu_overhead_s)
+    overhead[..., 0] = 0.0
+    device_total = device_prefix[..., -1:] + device_base_s
+    step_s = torch.maximum(device_total - device_prefix, cpu_prefix + overhead)
+    taken = torch.argmin(step_s, dim=-1, keepdim=True)  # the first minimum: the shortest best prefix
+    in_prefix = torch.arange(num_experts, device=tokens.device) < taken
+    return torch.zeros_like(candidates).scatter(-1, order, in_prefix & torch.gather(candidates, -1, order))

@@ -13,13 +13,14 @@ Every number is a host-read share: token x expert reads served from the host tie
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..offload.cache_policy import CacheSettings, ExpertCache
+from ..offload.cache_policy import CacheSettings, CacheStep, ExpertCache
 from ..placement import plan_placement
 from .cache_workloads import Workload
 
@@ -49,19 +50,33 @@ def initial_slots(counts: np.ndarray, slots: int) -> torch.Tensor:
     return torch.from_numpy(start)
 
 
-def replay_cache(workload: Workload, settings: CacheSettings, budget: float, progress: bool = True) -> CacheReplay:
-    """The stream through one `ExpertCache` per layer (one object with a layer axis), token by token."""
+def cache_steps(workload: Workload, settings: CacheSettings, budget: float, progress: bool = True
+                ) -> Iterator[tuple[torch.Tensor, CacheStep]]:
+    """The stream through one `ExpertCache` per layer (one object with a layer axis), token by token: each step's
+    resident mask bool [layers, experts] as the step found it (what it hits), then the step's decisions."""
     tokens, layers, _ = workload.shape
     slots = slots_per_layer(budget, workload.num_experts)
-    cache = ExpertCache(settings, workload.num_experts, slots, "cpu", layers=layers,
-                        initial=initial_slots(workload.blocks[0].calibration, slots))
+    start = initial_slots(workload.blocks[0].calibration, slots)
+    cache = ExpertCache(settings, workload.num_experts, slots, "cpu", layers=layers, initial=start)
+    resident = torch.cat([start >= 0, torch.zeros(layers, 1, dtype=torch.bool)], 1)  # column E: the -1 sink
+    rows = torch.arange(layers)[:, None]
     ids = torch.from_numpy(workload.expert_ids)[:, :, None, :]  # [tokens, layers, T=1, k]
+    for token in tqdm(range(tokens), desc="replay", unit="tok", disable=not progress, mininterval=2.0):
+        step = cache.step(ids[token])
+        yield resident[:, :-1].clone(), step
+        resident[rows, step.evicted.long()] = False  # -1 entries land in the sink column
+        resident[rows, step.fill_expert.long()] = True
+        resident[:, -1] = False
+
+
+def replay_cache(workload: Workload, settings: CacheSettings, budget: float, progress: bool = True) -> CacheReplay:
+    """The stream's hits, misses, fills and evictions through the cache (`cache_steps`)."""
+    layers = workload.shape[1]
     hits = torch.zeros(layers, dtype=torch.int64)
     misses = torch.zeros(layers, dtype=torch.int64)
     fills = torch.zeros((), dtype=torch.int64)
     evictions = torch.zeros((), dtype=torch.int64)
-    for token in tqdm(range(tokens), desc="replay", unit="tok", disable=not progress, mininterval=2.0):
-        step = cache.step(ids[token])
+    for _, step in cache_steps(workload, settings, budget, progress):
         hits += step.hits
         misses += step.misses
         fills += (step.fill_expert >= 0).sum()
@@ -81,14 +96,18 @@ STATIC = ("calibrated_elsewhere", "oracle_in_sample", "oracle_per_block")
 
 def static_host_share(workload: Workload, budget: float, plan: str) -> float:
     """Host-read share of the static plan `plan` (one of STATIC) over the whole stream."""
-    tokens, layers, _ = workload.shape
-    sizes = np.ones((layers, workload.num_experts), dtype=np.int64)
-    gpu_bytes = int(np.floor(budget * sizes.sum() + 1e-9))
     whole = token_counts(workload.expert_ids, workload.num_experts)
     host = 0
     for block in workload.blocks:
         counts = token_counts(workload.expert_ids[block.start : block.end], workload.num_experts)
         plan_counts = {"calibrated_elsewhere": block.calibration, "oracle_in_sample": whole,
                        "oracle_per_block": counts}[plan]
-        host += int(counts[~plan_placement(sizes, gpu_bytes, plan_counts)].sum())
+        host += int(counts[~static_plan(workload, budget, plan_counts)].sum())
     return host / int(whole.sum())
+
+
+def static_plan(workload: Workload, budget: float, counts: np.ndarray) -> np.ndarray:
+    """GPU mask [layers, experts]: the planner's plan from `counts` (equal expert sizes, a global budget of
+    F x layers x experts, so hot layers may hold more than F of their experts)."""
+    sizes = np.ones((workload.shape[1], workload.num_experts), dtype=np.int64)
+    return plan_placement(sizes, int(np.floor(budget * sizes.sum() + 1e-9)), counts)

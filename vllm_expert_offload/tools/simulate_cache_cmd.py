@@ -15,7 +15,7 @@ from pathlib import Path
 from ..offload.cache_policy import DEFAULT_HALF_LIFE_TOKENS, POLICIES, CacheSettings
 from ..placement.errors import PlacementError
 from .cache_replay import STATIC, replay_cache, slots_per_layer, static_host_share
-from .cache_workloads import load_workload
+from .cache_workloads import Workload, load_workload
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,13 +23,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "simulate-cache", help="host-read share of the dynamic expert cache vs static plans on routing data",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("--data", required=True, type=Path,
-                        help="one routing-data folder, e.g. ../shared/data/routing/moe-beyond")
     parser.add_argument("--budget", required=True, type=float,
                         help="GPU budget as a fraction of the routed experts (0-1), the same for every layer")
+    add_stream_arguments(parser)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.set_defaults(handler=run)
+
+
+def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that pick a routing stream and the cache policy replayed over it (shared with predict-decode)."""
+    parser.add_argument("--data", required=True, type=Path,
+                        help="one routing-data folder, e.g. ../shared/data/routing/moe-beyond")
     parser.add_argument("--policy", default="decayed-lfu", choices=POLICIES)
     parser.add_argument("--half-life-tokens", type=float, default=DEFAULT_HALF_LIFE_TOKENS)
-    parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--subset", help="only the routing sets whose name ends with this (moe-interp: base, chat, "
                                          "olmoe or qwen picks the model)")
     parser.add_argument("--top-k", type=int, help="experts a token selects per layer (needed for count data)")
@@ -37,20 +43,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens sampled from each count set (count data; default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the count sampling (default 0)")
     parser.add_argument("--max-tokens", type=int, help="replay only the stream's first N tokens (a quick look)")
-    parser.set_defaults(handler=run)
+
+
+def load_stream(args: argparse.Namespace) -> tuple[CacheSettings, Workload]:
+    """The cache settings and the routing stream the stream flags describe; PlacementError/ValueError name the
+    flag or file at fault."""
+    settings = CacheSettings(args.policy, args.half_life_tokens)
+    workload = load_workload(args.data, subset=args.subset, top_k=args.top_k, block_tokens=args.block_tokens,
+                             seed=args.seed)
+    if args.max_tokens is not None:
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens: {args.max_tokens} is below 1")
+        workload = workload.prefix(args.max_tokens)
+    return settings, workload
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.budget <= 1.0:
-        return _fail(f"--budget: {args.budget} is outside [0, 1]")
+        return fail(f"--budget: {args.budget} is outside [0, 1]")
     try:
-        settings = CacheSettings(args.policy, args.half_life_tokens)
-        workload = load_workload(args.data, subset=args.subset, top_k=args.top_k, block_tokens=args.block_tokens,
-                                 seed=args.seed)
+        settings, workload = load_stream(args)
     except (PlacementError, ValueError) as exc:
-        return _fail(str(exc))
-    if args.max_tokens is not None:
-        workload = workload.prefix(args.max_tokens)
+        return fail(str(exc))
     replay = replay_cache(workload, settings, args.budget, progress=sys.stderr.isatty())
     tokens, layers, k = workload.shape
     result = {
@@ -83,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
+    """Exit status 2 with one `error:` line (the message names the flag or file at fault)."""
     print(f"error: {message}", file=sys.stderr)
     return 2

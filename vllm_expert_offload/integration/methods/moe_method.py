@@ -1,9 +1,9 @@
-"""EXL3 routed experts in vLLM's RoutedExperts: per-expert loading straight into each expert's tier,
-TP slicing, pointer tables, and one kernel interface.
+"""EXL3 routed experts in vLLM's RoutedExperts: the quant method vLLM asks for each MoE layer.
 
-`apply` is one opaque op (kernels/ops.py) naming this layer, so torch.compile never traces the routing glue or
-the backend; the op calls `moe_forward`, which holds everything that depends on Python state at run time (the
-profiling pass's worst-case routing, routing statistics, the expert-parallel map)."""
+create_weights checks the layer, takes the process's backends and placement and starts the layer's loading
+(expert_loading.py: each expert straight into its tier); process_weights_after_loading turns the loading into the
+layer's frozen runtime (moe_runtime.py). `apply` is one opaque op (kernels/ops.py) naming this layer, so
+torch.compile never traces the routing glue or the backend; the op calls `moe_forward`, the runtime's steps."""
 
 from __future__ import annotations
 
@@ -16,26 +16,18 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from ...exl3.errors import Exl3FormatError
-from ...exl3.naming import PROJECTIONS
 from ...kernels import ops
-from ...kernels.contract import ExpertCrop, MoELayer
-from ...kernels.expert_slots import ExpertSlots, expert_trellis_bytes
-from ...kernels.oracle import BackendUnavailable, KernelChoice, backend, build_moe_kernel
-from ...kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
+from ...kernels.oracle import BackendUnavailable, KernelChoice, backend
 from ...offload.cache_policy import CacheSettings
-from ...offload.phase import dummy_batch, profiling
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
-from ...offload.tiers import place_expert
 from ..startup.crash_line import install_crash_line
-from ..startup.data_parallel import install_dummy_batch_flag, own_rows
-from ..startup.profiling import install_profile_flag, spread_routing
-from .collectors import TENSOR_SUFFIXES, collect, collected, register_collectors, take_loaded
+from ..startup.data_parallel import install_dummy_batch_flag
+from ..startup.profiling import install_profile_flag
+from .expert_loading import ExpertLoading
+from .moe_runtime import MoERuntime
 from .op_targets import register_op_target
-from .rank_check import check_ranks_agree, checking_ranks
 
-SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}
-COLLECTORS = {f"{stem}_{suffix}": suffix for stem in ("w13", "w2") for suffix in (*TENSOR_SUFFIXES, "bias")}
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 logger = logging.getLogger("vllm.expert_offload")
 
@@ -109,14 +101,17 @@ def _require_eager_if_not_graph_safe(kernels: KernelChoice, device: torch.device
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    """Receives each expert's tensor sets through collector parameters and places every expert in its tier
-    as soon as its last tensor arrives, so the checkpoint is never held whole in memory."""
+    """vLLM's quant method of one EXL3 MoE layer, in two phases held by two objects, both declared here:
+    `loading` from create_weights until process_weights_after_loading (experts placed as they arrive,
+    expert_loading.py), then `runtime`, the frozen forward state (moe_runtime.py)."""
 
     requires_device_loading = False
 
     def __init__(self, moe, quant_config) -> None:
         super().__init__(moe)
         self.quant_config = quant_config
+        self.loading: ExpertLoading | None = None
+        self.runtime: MoERuntime | None = None
 
     def create_weights(
         self,
@@ -130,7 +125,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         activation = getattr(layer.activation, "value", layer.activation)
         if activation != "silu":
             raise Exl3FormatError(f"{layer.layer_name}: activation {activation!r} is not supported (EXL3 MoE: silu)")
-        if self.quant_config.summary.layout is None:
+        summary = self.quant_config.summary
+        if summary.layout is None:
             from ...exl3.naming import SUPPORTED_ARCHITECTURES
 
             raise Exl3FormatError(
@@ -139,132 +135,38 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         match = LAYER_INDEX.search(layer.layer_name)
         if match is None:
             raise Exl3FormatError(f"{layer.layer_name}: cannot tell which model layer this MoE block is")
-        self.layer_index = int(match.group(1))
         parallel = layer.moe_config.moe_parallel_config
-        self.geometry = ExpertGeometry(
+        geometry = ExpertGeometry(
             hidden=self.moe.hidden_dim_unpadded, intermediate=self.moe.intermediate_size,
             intermediate_per_rank=intermediate_size_per_partition, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
         )
-        self.device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
-        self.kernels = self.quant_config.kernel_choice(self.device)
-        _require_eager_if_not_graph_safe(self.kernels, self.device)
-        self.params_dtype = params_dtype
-        self.num_local_experts = num_experts
+        device = torch.empty(0).device  # vLLM builds layers under `with torch.device(target)`
+        kernels = self.quant_config.kernel_choice(device)
+        _require_eager_if_not_graph_safe(kernels, device)
         top_k = self.moe.experts_per_token
-        rank = _rank_experts(layer, parallel)
-        self.placement = _process_placement(self.quant_config, self.geometry, rank, parallel, top_k, self.device,
-                                            self.kernels)
-        self.placed: dict[int, object] = {}
-        self._layer = layer
-        register_collectors(layer, COLLECTORS, self._load)
+        placement = _process_placement(self.quant_config, geometry, _rank_experts(layer, parallel), parallel, top_k,
+                                       device, kernels)
         install_profile_flag()
-        if self.placement.recording and parallel.dp_size > 1:
+        if placement.recording and parallel.dp_size > 1:
             install_dummy_batch_flag()
-        self.op_name = register_op_target(layer.layer_name, self)
-
-    def _checkpoint_name(self, global_expert: int, projection: str) -> str:
-        return self.quant_config.summary.layout.expert_prefix(self.layer_index, global_expert, projection)
-
-    def _load(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layer = self._layer
-        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
-        if local == -1:
-            return False if return_success else None
-        projection = SHARD_PROJECTION[shard_id]
-        where = self._checkpoint_name(expert_id, projection)
-        if param.exl3_suffix == "bias":
-            raise Exl3FormatError(f"{where}.bias: expert biases are not supported yet")
-        collect(layer, (local, projection), param.exl3_suffix, loaded_weight, where)
-        self._place_if_complete(local, expert_id)
-        return True if return_success else None
-
-    def _place_if_complete(self, local: int, global_expert: int) -> None:
-        store = collected(self._layer)
-        expected = self.quant_config.summary.suffixes
-        names = {p: self._checkpoint_name(global_expert, p) for p in PROJECTIONS}
-        if any(set(store.get((local, p), {})) != expected[names[p]] for p in PROJECTIONS):
-            return
-        sliced = {p: self.geometry.rank_slice(store.pop((local, p)), names[p], p) for p in PROJECTIONS}
-        to_gpu = self.placement.loads_to_gpu(self.layer_index, global_expert)
-        self.placed[local] = place_expert(sliced, to_gpu, self.placement.arena, self.device)
-
-    def _local_to_global(self, layer: torch.nn.Module) -> list[int]:
-        expert_map = layer.expert_map
-        if expert_map is None:
-            return list(range(self.num_local_experts))
-        globals_ = [-1] * self.num_local_experts
-        for global_id, local in enumerate(expert_map.tolist()):
-            if local >= 0:
-                globals_[local] = global_id
-        return globals_
+        self.loading = ExpertLoading(
+            layer=layer, op_name=register_op_target(layer.layer_name, self), layer_index=int(match.group(1)),
+            geometry=geometry, device=device, kernels=kernels, params_dtype=params_dtype,
+            num_local_experts=num_experts, top_k=top_k, swiglu_limit=self.moe.swiglu_limit, summary=summary,
+            placement=placement, capture_rows=self.quant_config.capture_sizes(),
+        )
+        self.loading.register()
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        leftovers = take_loaded(layer, list(COLLECTORS))
-        del self._layer
-        expected = self.quant_config.summary.suffixes
-        for local, global_id in enumerate(self._local_to_global(layer)):
-            if local in self.placed:
-                continue
-            for projection in PROJECTIONS:
-                name = self._checkpoint_name(global_id, projection)
-                have = set(leftovers.get((local, projection), {}))
-                if have != expected[name]:
-                    missing = sorted(expected[name] - have) or sorted(have - expected[name])
-                    raise Exl3FormatError(
-                        f"{name}.{missing[0]}: not delivered by the loader (received {sorted(have) or 'nothing'})"
-                    )
-        experts, scales = stack_scales([self.placed.pop(e) for e in range(self.num_local_experts)], self.device)
-        arena = self.placement.arena
-        tables = build_pointer_tables(experts, kernel_address(arena, self.device), self.device)
-        crop = ExpertCrop(self.geometry.hidden, self.geometry.intermediate_per_rank, self.geometry.crop_offset)
-        self.row = self.placement.row(self.layer_index)
-        self.cache = None
-        if self.placement.cache is not None:  # the plan's GPU experts of this layer start in its slots
-            initial = [self.placement.in_gpu_tier(self.layer_index, g) for g in self._local_to_global(layer)]
-            self.cache = ExpertSlots(experts, tables, self.placement.cache, initial,
-                                     self.placement.slot_bytes(self.layer_index), self.device,
-                                     self.placement.tier_counters, self.row)
-        self.kernel = build_moe_kernel(self.kernels, MoELayer(
-            experts, tables, scales, arena, crop, self.params_dtype, self.device,
-            swiglu_limit=self.moe.swiglu_limit,  # DeepSeek-V4: gate <= limit, |up| <= limit, as SiluAndMulWithClamp
-            top_k=self.moe.experts_per_token, capture_rows=self.quant_config.capture_sizes(),
-            cache=self.cache,
-        ))
-        # What the read counters need each forward: which experts are in GPU memory now, and their sizes.
-        self.in_gpu_tier = tables.in_gpu_tier
-        self.expert_bytes = expert_trellis_bytes(experts, self.device)
-        self.check_ranks = self.cache is not None and checking_ranks()
-        del self.placed
-        self.placement.note_loading_peak(self.device)
-        # What moe_forward needs of the layer, kept so the op's target holds no reference back to it.
-        self.expert_map = layer.expert_map
-        self.apply_router_weight_on_input = layer.apply_router_weight_on_input
+        self.runtime = self.loading.finish()
+        self.loading = None
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
-        return ops.exl3_moe(self, self.op_name, self.geometry.hidden, x, topk_weights, topk_ids)
+        return ops.exl3_moe(self, self.runtime.op_name, self.runtime.geometry.hidden, x, topk_weights, topk_ids)
 
     def moe_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """What the op runs, eagerly: worst-case routing while vLLM profiles, statistics while recording (under data
-        parallelism this engine's own tokens only), global ids mapped to this rank's (EP), reads counted by tier
-        (before the cache's step moves experts), then the backend; in the rank-check debug mode, the caches of all
-        TP ranks compared after it."""
-        if profiling():  # this rank's worst case: every slot on one of its own experts, each of them used (EP too)
-            local = spread_routing(topk_ids, self.num_local_experts).long()
-            return self.kernel.forward(x, topk_weights, local, self.apply_router_weight_on_input)
-        if self.placement.recording and not dummy_batch():  # a DP engine's dummy batch carries no one's tokens
-            dp_rank, dp_size = self.placement.dp_rank, self.placement.dp_size
-            self.placement.record(self.layer_index, topk_ids if dp_size == 1 else own_rows(topk_ids, dp_rank, dp_size))
-        if self.expert_map is not None:
-            local = self.expert_map[topk_ids.long()]  # -1: another rank's expert, read (and counted) there
-            topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
-            self.placement.tier_counters.count_reads(self.row, local, self.in_gpu_tier, self.expert_bytes)
-            topk_ids = local.clamp(min=0)
-        else:
-            self.placement.tier_counters.count_reads(self.row, topk_ids, self.in_gpu_tier, self.expert_bytes)
-        out = self.kernel.forward(x, topk_weights, topk_ids.long(), self.apply_router_weight_on_input)
-        if self.check_ranks:
-            check_ranks_agree(self.op_name, self.cache.state_digest())
-        return out
+        """What the op runs, eagerly: the layer's runtime steps (moe_runtime.py)."""
+        return self.runtime.forward(x, topk_weights, topk_ids)

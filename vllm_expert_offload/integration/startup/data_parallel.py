@@ -21,12 +21,9 @@ class GatheredBatchError(ExpertOffloadError, RuntimeError):
     """A gathered MoE batch that does not split into the engines' shares the step's DP metadata names."""
 
 
-def own_rows(topk_ids: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """This engine's rows of `topk_ids` [gathered tokens, top_k], gathered from all `dp_size` engines."""
-    from vllm.forward_context import get_forward_context
-
-    metadata = get_forward_context().dp_metadata
-    sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
+def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """This engine's rows of `topk_ids` [gathered tokens, top_k], gathered from all `dp_size` engines, engine d
+    contributing `sizes[d]` rows (the step's `dp_metadata.get_chunk_sizes_across_dp_rank()`)."""
     if sizes is None or len(sizes) != dp_size or sum(sizes) != topk_ids.shape[0]:
         raise GatheredBatchError(
             f"routing statistics under data parallelism: topk_ids of {topk_ids.shape[0]} gathered tokens do not "
