@@ -134,3 +134,10 @@ def test_c_abi_submit_wait_matches_forward_and_refuses_a_second_job(extension) -
     if refused != 0:  # the first job may already be done when the second arrives
         assert b"already has a job in flight" in second.error and second.state == -1
     assert torch.equal(out, kernel.forward(x, weights, ids))
+
+
+def test_the_cpu_backend_builds_the_cpp_forward_without_a_cache(extension) -> None:
+    """The oracle's cpu backend (the CPU engine's MoE layers) runs this kernel; with an expert cache it keeps the
+    rotated glue, whose launcher writes experts through into their slots."""
+    _, kernel, _ = placed_moe(FULL, cpu_exl3.BACKEND.build_moe, seed=6)
+    assert isinstance(kernel, CpuMoE)

@@ -19,7 +19,7 @@ import torch
 
 from ..exl3.codebook import codebook_table
 from ..exl3.encode import register_compiled_viterbi
-from .contract import Backend
+from .contract import Backend, MoEKernel, MoELayer
 from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
 from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MatrixTable
@@ -112,10 +112,21 @@ def _loaded() -> MatmulBackend:
     return CPU_MATMUL
 
 
+def _build_moe(layer: MoELayer) -> MoEKernel:
+    """The C++ MoE forward (cpu_moe.py: one job per layer on a persistent pool); with an expert cache, the rotated
+    glue, whose launcher writes each expert through into its slot (the C++ forward has no fill)."""
+    if layer.cache is not None:
+        return rotated_moe(layer, _loaded())
+    from .cpu_moe import CpuMoE  # cpu_moe imports this module (the extension it calls)
+
+    _loaded()
+    return CpuMoE(layer)
+
+
 BACKEND = Backend(
     name="cpu", description="the compiled CPU kernel", auto_on=("cpu",), graph_safe=True, write_through=True,
     unavailable=cpu_unavailable,
-    build_moe=lambda layer: rotated_moe(layer, _loaded()),
+    build_moe=_build_moe,
     build_linear=lambda layer: rotated_linear(layer, _loaded()),
 )
 

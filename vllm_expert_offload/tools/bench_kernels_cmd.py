@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from ..exl3.decode import dequantize
 from ..kernels.activation import silu_and_mul
-from ..kernels.cpu_moe import CpuMoE
+from ..kernels.cpu_exl3 import CPU_MATMUL
+from ..kernels.rotated import rotated_moe
 from .random_layers import median_seconds, random_moe
 
 TRITON_KERNELS = "vllm_expert_offload.kernels.triton_exl3:backend_static_kernels"
@@ -80,7 +81,7 @@ def measure(shape: dict, repeats: int) -> dict:
     cpu = random_moe(**shape, host_share=1.0, backend="cpu", device=CPU, dtype=torch.float32)
     torch_ref = random_moe(**shape, host_share=1.0, backend="torch", device=CPU, dtype=torch.float32)
     dense = _dense_moe(cpu.sets, shape)
-    cpu_moe = CpuMoE(cpu.layer)  # the C++ MoE forward over the same placed experts, torch's thread count
+    glue = rotated_moe(cpu.layer, CPU_MATMUL)  # the compiled matmul inside the rotated torch glue, same experts
     result = {}
     for tokens in (1, 8):
         gen = torch.Generator().manual_seed(tokens)
@@ -88,8 +89,8 @@ def measure(shape: dict, repeats: int) -> dict:
         ids = torch.arange(shape["experts"]).repeat(tokens, 1)
         weights = torch.rand(tokens, shape["experts"], generator=gen)
         seconds = {
-            "cpu_moe": median_seconds(lambda: cpu_moe.forward(x, weights, ids), repeats, CPU),
-            "cpu_kernel": median_seconds(lambda: cpu.kernel.forward(x, weights, ids, False), repeats, CPU),
+            "cpu_moe": median_seconds(lambda: cpu.kernel.forward(x, weights, ids, False), repeats, CPU),
+            "cpu_kernel": median_seconds(lambda: glue.forward(x, weights, ids, False), repeats, CPU),
             "torch_reference": median_seconds(lambda: torch_ref.kernel.forward(x, weights, ids, False), repeats, CPU),
             "dense_matmul": median_seconds(lambda: dense(x, weights), repeats, CPU),
         }
