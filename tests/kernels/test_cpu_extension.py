@@ -6,6 +6,7 @@ library import are replaced here (the real build is test_cpu_isa's and the packa
 from __future__ import annotations
 
 import logging
+import re
 import sysconfig
 import threading
 import time
@@ -186,5 +187,9 @@ def test_kernel_is_attempted_once_per_process_and_its_absence_warned(
 
 def test_the_kernel_sources_are_inside_the_package() -> None:
     package = Path(cpu_exl3.__file__).resolve().parents[1]
-    assert [path.parent for path in cpu_exl3.EXTENSION.sources] == [package / "csrc"] * 3
-    assert all(path.is_file() for path in cpu_exl3.EXTENSION.sources)
+    sources = cpu_exl3.EXTENSION.sources
+    assert {path.parent for path in sources} == {package / "csrc"}
+    assert all(path.is_file() for path in sources)
+    # Every file the translation unit includes is a source (a change to it must change the build's digest).
+    included = set(re.findall(r'#include "([^"]+)"', sources[0].read_text()))
+    assert included == {path.name for path in sources[1:]}

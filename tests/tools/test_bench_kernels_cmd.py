@@ -7,7 +7,7 @@ import json
 
 from vllm_expert_offload import cli
 
-KEYS = {"cpu_kernel_gweights_s", "torch_reference_gweights_s", "dense_matmul_gweights_s"}
+KEYS = {"cpu_moe_gweights_s", "cpu_kernel_gweights_s", "torch_reference_gweights_s", "dense_matmul_gweights_s"}
 
 
 def test_bench_kernels_writes_rates_for_one_and_eight_tokens(tmp_path) -> None:

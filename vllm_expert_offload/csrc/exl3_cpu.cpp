@@ -1,7 +1,8 @@
-// The compiled CPU kernels: the EXL3 matmul over pointer tables (exl3_matmul.inc) and the encoder's Viterbi
-// search (exl3_viterbi.inc), each compiled three times under GCC target options (AVX-512, AVX2 + FMA, and the
+// The compiled CPU kernels: the EXL3 matmul over pointer tables (exl3_matmul.inc), the MoE forward's row steps
+// (exl3_moe_rows.inc) and the encoder's Viterbi search (exl3_viterbi.inc), each compiled three times under GCC target options (AVX-512, AVX2 + FMA, and the
 // x86-64 baseline) and picked at run time with __builtin_cpu_supports, so one build runs on any x86-64 CPU and
-// uses what it has, instead of -march=native tying the build to the machine that compiled it.
+// uses what it has, instead of -march=native tying the build to the machine that compiled it. The MoE forward's
+// orchestration and worker pool (exl3_moe.inc) are compiled once, calling the chosen ISA's kernels.
 
 #include <torch/extension.h>
 
@@ -10,14 +11,26 @@
 #endif
 #include <omp.h>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -50,6 +63,7 @@ namespace avx512 {
 #define EXL3_ISA 2  // GCC's target pragma does not define __AVX512F__ & co., so the .inc is told which copy it is
 #include "exl3_matmul.inc"
 #undef EXL3_ISA
+#include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -60,6 +74,7 @@ namespace avx2 {
 #define EXL3_ISA 1
 #include "exl3_matmul.inc"
 #undef EXL3_ISA
+#include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -69,6 +84,7 @@ namespace baseline {  // x86-64 SSE2 (or another CPU's default): std::fma may be
 #define EXL3_ISA 0
 #include "exl3_matmul.inc"
 #undef EXL3_ISA
+#include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
 }  // namespace baseline
 
@@ -95,21 +111,28 @@ std::atomic<Isa>& active_isa() {
 
 struct IsaKernels {
   void (*matmul)(const MatmulArgs&);
+  void (*matmul_block)(const MatmulArgs&, int64_t, int64_t, int64_t);
+  void (*hadamard_row)(float*, int64_t, const float*, const float*);
+  void (*silu_and_mul_row)(float*, const float*, int64_t, int64_t, int64_t, bool, float);
   void (*encode_tiles)(const float*, int64_t, const int32_t*, const float*, int64_t*);
 };
 
+#define EXL3_KERNELS(ns) {ns::matmul, ns::matmul_block, ns::hadamard_row, ns::silu_and_mul_row, ns::encode_tiles}
+
 const IsaKernels& kernels() {
   static const IsaKernels by_isa[] = {  // in Isa order
-      {baseline::matmul, baseline::encode_tiles},
+      EXL3_KERNELS(baseline),
 #if defined(__x86_64__)
-      {avx2::matmul, avx2::encode_tiles},
-      {avx512::matmul, avx512::encode_tiles},
+      EXL3_KERNELS(avx2),
+      EXL3_KERNELS(avx512),
 #endif
   };
   return by_isa[static_cast<int>(active_isa().load())];
 }
 
 }  // namespace
+
+#include "exl3_moe.inc"
 
 std::string exl3_cpu_isa() { return kIsaNames[static_cast<int>(active_isa().load())]; }
 
@@ -176,10 +199,145 @@ at::Tensor exl3_viterbi_cpu(const at::Tensor& targets, const at::Tensor& bits, c
   return out;
 }
 
+// A MoE layer for exl3_moe.inc from per-projection (gate, up, down) tables: trellis addresses (3, experts) int64,
+// 2K and codebook ids (3, experts) int32, suh/svh fp32 (experts, features) stacks, the (3, 65536) codebook tables;
+// the crop (hidden columns, this rank's intermediate channels [keep_lo, keep_hi)), the optional swiglu limit,
+// and the pool: `threads` workers pinned round-robin to `cpus` (empty: not pinned).
+std::shared_ptr<moe::Handle> exl3_moe_layer(const at::Tensor& trellis, const at::Tensor& twice_k,
+                                            const at::Tensor& codebook, const std::vector<at::Tensor>& suh,
+                                            const std::vector<at::Tensor>& svh, const at::Tensor& values,
+                                            int64_t hidden, int64_t keep_lo, int64_t keep_hi,
+                                            std::optional<double> limit, int64_t threads, std::vector<int> cpus) {
+  TORCH_CHECK(trellis.scalar_type() == at::kLong && trellis.dim() == 2 && trellis.size(0) == 3,
+              "trellis must be (3, experts) int64 addresses");
+  const int64_t experts = trellis.size(1);
+  TORCH_CHECK(experts > 0, "a MoE layer needs at least one expert");
+  TORCH_CHECK(twice_k.scalar_type() == at::kInt && codebook.scalar_type() == at::kInt &&
+                  twice_k.sizes() == trellis.sizes() && codebook.sizes() == trellis.sizes(),
+              "twice_k and codebook must be (3, experts) int32");
+  TORCH_CHECK(suh.size() == 3 && svh.size() == 3, "suh and svh need one stack per projection (gate, up, down)");
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.numel() == 3 * kStates,
+              "values must be the (3, 65536) fp32 codebook tables");
+  TORCH_CHECK(threads >= 1, "the MoE pool needs at least one thread, got ", threads);
+  auto layer = std::make_unique<moe::Layer>();
+  layer->experts = experts;
+  layer->in_gu = suh[0].size(1);
+  layer->out_gu = svh[0].size(1);
+  layer->out_d = svh[2].size(1);
+  const int64_t widths[3][2] = {{layer->in_gu, layer->out_gu}, {layer->in_gu, layer->out_gu},
+                                {layer->out_gu, layer->out_d}};
+  for (int p = 0; p < 3; ++p) {
+    for (const at::Tensor* t : {&suh[p], &svh[p]}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == experts,
+                  "suh/svh of projection ", p, " must be contiguous fp32 (experts, features)");
+    }
+    TORCH_CHECK(suh[p].size(1) == widths[p][0] && svh[p].size(1) == widths[p][1],
+                "projection ", p, "'s suh/svh widths do not chain gate/up -> down");
+    TORCH_CHECK(widths[p][0] % 128 == 0 && widths[p][1] % 128 == 0,
+                "EXL3 projections are rotated in 128-blocks: projection ", p, " is ", widths[p][0], " x ",
+                widths[p][1]);
+    layer->suh[p] = suh[p].data_ptr<float>();
+    layer->svh[p] = svh[p].data_ptr<float>();
+    layer->owned.push_back(suh[p]);
+    layer->owned.push_back(svh[p]);
+    const at::Tensor row_t = trellis[p].contiguous(), row_k = twice_k[p].contiguous(), row_c = codebook[p].contiguous();
+    layer->trellis[p].assign(row_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>() + experts);
+    layer->twice_k[p].assign(row_k.data_ptr<int32_t>(), row_k.data_ptr<int32_t>() + experts);
+    layer->codebook[p].assign(row_c.data_ptr<int32_t>(), row_c.data_ptr<int32_t>() + experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      TORCH_CHECK(layer->twice_k[p][e] >= 2 && layer->twice_k[p][e] <= 16, "expert ", e, " projection ", p,
+                  ": bits per weight K=", layer->twice_k[p][e] / 2.0, " is outside 1..8");
+      TORCH_CHECK(layer->codebook[p][e] >= 0 && layer->codebook[p][e] <= 2, "expert ", e, " projection ", p,
+                  ": unknown codebook id ", layer->codebook[p][e]);
+    }
+  }
+  TORCH_CHECK(hidden >= 1 && hidden <= layer->in_gu, "hidden ", hidden, " does not fit the ", layer->in_gu,
+              "-wide input cover");
+  TORCH_CHECK(0 <= keep_lo && keep_lo < keep_hi && keep_hi <= layer->out_gu, "intermediate channels [", keep_lo,
+              ", ", keep_hi, ") do not fit the ", layer->out_gu, "-wide cover");
+  layer->hidden = hidden;
+  layer->keep_lo = keep_lo;
+  layer->keep_hi = keep_hi;
+  layer->has_limit = limit.has_value();
+  layer->limit = static_cast<float>(limit.value_or(0.0));
+  layer->values = values.data_ptr<float>();
+  layer->owned.push_back(values);
+  auto handle = std::make_shared<moe::Handle>();
+  handle->layer = std::move(layer);
+  handle->plan = std::make_unique<moe::Plan>();
+  handle->pool = moe::pool_for(static_cast<int>(threads), cpus);
+  return handle;
+}
+
+// out = the layer's forward (exl3_moe.inc) through the C ABI, submit then wait, without the GIL.
+void exl3_moe_forward(moe::Handle& handle, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                      bool route_on_input, at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weights.scalar_type() == at::kFloat,
+              "x, weights and out must be fp32");
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && weights.is_contiguous() &&
+                  ids.sizes() == weights.sizes() && ids.dim() == 2,
+              "topk_ids (int32) and topk_weights must be contiguous (tokens, top_k) of one shape");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
+                  x.size(0) == ids.size(0) && out.size(0) == ids.size(0),
+              "x and out must be (tokens, features) with contiguous rows, one per token of topk_ids");
+  const int64_t hidden = handle.layer->hidden;
+  TORCH_CHECK(x.size(1) >= hidden && out.size(1) >= hidden, "x and out need ", hidden, " columns");
+  Exl3MoeJob job{};
+  job.layer = &handle;
+  job.x = x.data_ptr<float>();
+  job.x_stride = x.stride(0);
+  job.ids = ids.data_ptr<int32_t>();
+  job.weights = weights.data_ptr<float>();
+  job.tokens = ids.size(0);
+  job.top_k = ids.size(1);
+  job.route_on_input = route_on_input ? 1 : 0;
+  job.out = out.data_ptr<float>();
+  job.out_stride = out.stride(0);
+  if (exl3_moe_submit(&job) != 0 || exl3_moe_wait(&job) != 0) throw std::runtime_error(job.error);
+}
+
+// Test hook: out = a @ W_hat of one matrix through the tile routine the MoE forward uses, rows in blocks of
+// `rows_per_block` (1: the one-token path), single-threaded; W_hat read back from identity rows must be
+// exl3/decode.py's bit for bit.
+void exl3_moe_matmul(const at::Tensor& a, int64_t trellis, int64_t twice_k, int64_t codebook, int64_t size_n,
+                     int64_t rows_per_block, const at::Tensor& values, at::Tensor& out) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && a.is_contiguous() &&
+                  out.is_contiguous() && a.size(0) == out.size(0) && out.size(1) == size_n,
+              "a and out must be contiguous fp32 (rows, size_k) and (rows, size_n)");
+  TORCH_CHECK(twice_k >= 2 && twice_k <= 16 && codebook >= 0 && codebook <= 2 && rows_per_block >= 1 &&
+                  rows_per_block <= moe::kBlockM && a.size(1) % 16 == 0 && size_n % 16 == 0,
+              "bad K, codebook, block size or shape");
+  const int64_t rows = a.size(0), blocks = (rows + rows_per_block - 1) / rows_per_block;
+  std::vector<int32_t> row_ids(blocks * moe::kBlockM, -1), block_matrix(blocks, 0);
+  for (int64_t r = 0; r < rows; ++r) row_ids[r / rows_per_block * moe::kBlockM + r % rows_per_block] = r;
+  const int64_t table[1] = {trellis};
+  const int32_t k2[1] = {static_cast<int32_t>(twice_k)}, cb[1] = {static_cast<int32_t>(codebook)};
+  const MatmulArgs args{a.data_ptr<float>(), a.size(1), row_ids.data(), block_matrix.data(), blocks, table, k2, cb,
+                        values.data_ptr<float>(), a.size(1), size_n, moe::kBlockM, out.data_ptr<float>(),
+                        size_n, nullptr, nullptr};
+  for (int64_t b = 0; b < blocks; ++b) moe::tile_matmul(args, b, 0, size_n / 16);
+}
+
+// The C ABI's entry points, for callers without Python (a CUDA host function): their addresses, the job
+// struct's size, and the handle of a layer.
+std::vector<int64_t> exl3_moe_abi() {
+  return {reinterpret_cast<int64_t>(&exl3_moe_submit), reinterpret_cast<int64_t>(&exl3_moe_wait),
+          static_cast<int64_t>(sizeof(Exl3MoeJob))};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_matmul_cpu", &exl3_matmul_cpu, "EXL3 matmul over a pointer table on the CPU");
   m.def("exl3_viterbi_cpu", &exl3_viterbi_cpu, py::call_guard<py::gil_scoped_release>(),
         "Tail-biting Viterbi trellis states for (tiles, 256) fp32 targets, as exl3/encode.py's torch encoder");
   m.def("exl3_cpu_isa", &exl3_cpu_isa, "The instruction set the kernels run with: avx512, avx2 or baseline");
   m.def("exl3_set_cpu_isa", &exl3_set_cpu_isa, "Run the kernels with another instruction set the CPU supports");
+  py::class_<moe::Handle, std::shared_ptr<moe::Handle>>(m, "MoeLayer")
+      .def_property_readonly("address", [](moe::Handle& h) { return reinterpret_cast<int64_t>(&h); },
+                             "what Exl3MoeJob.layer takes")
+      .def_property_readonly("threads", [](moe::Handle& h) { return h.pool->threads(); });
+  m.def("exl3_moe_layer", &exl3_moe_layer, "A MoE layer over pointer tables, computed by a persistent pool");
+  m.def("exl3_moe_forward", &exl3_moe_forward, py::call_guard<py::gil_scoped_release>(),
+        "The layer's routed-expert forward for a batch (ids -1 skipped), fp32");
+  m.def("exl3_moe_matmul", &exl3_moe_matmul, "Test hook: a @ W_hat through the MoE forward's tile routine");
+  m.def("exl3_moe_abi", &exl3_moe_abi, "(exl3_moe_submit address, exl3_moe_wait address, sizeof(Exl3MoeJob))");
 }

@@ -19,7 +19,7 @@ import torch
 
 from ..exl3.codebook import codebook_table
 from ..exl3.encode import register_compiled_viterbi
-from .contract import Backend
+from .contract import Backend, MoEKernel, MoELayer
 from .cpu_extension import CpuKernelUnavailable, Extension, load_extension
 from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MatrixTable
@@ -29,7 +29,8 @@ logger = logging.getLogger("vllm.expert_offload")
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # -Wno-psabi: the baseline copy passes GCC vectors wider than SSE registers, only between its own functions.
 EXTENSION = Extension("vllm_expert_offload_exl3_cpu",
-                      (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_viterbi.inc"),
+                      (CSRC / "exl3_cpu.cpp", CSRC / "exl3_matmul.inc", CSRC / "exl3_moe_rows.inc",
+                       CSRC / "exl3_moe.inc", CSRC / "exl3_viterbi.inc"),
                       cflags=("-O3", "-fopenmp", "-Wno-psabi"), ldflags=("-fopenmp",))
 BLOCK_M = 32  # rows that share one decode of each tile
 
@@ -72,7 +73,7 @@ def cpu_kernel_isa() -> str:
 
 
 @functools.cache
-def _codebook_values() -> torch.Tensor:
+def codebook_values() -> torch.Tensor:
     """(3, 65536) fp32 rows in CODEBOOK_IDS order: the reference tables, so decoding is bit-exact with them."""
     rows = sorted(CODEBOOK_IDS.items(), key=lambda item: item[1])
     return torch.stack([codebook_table(cb).float() for cb, _ in rows]).contiguous()
@@ -85,7 +86,7 @@ def _exl3_matmul_compiled(
     """out[row] = a[row] @ W_hat[matrix of row's block] (the Triton launcher's contract), fp32; with `fill`, each
     matrix whose entry is an address is also written there as it is read (write-through, rotated.py)."""
     extension().exl3_matmul_cpu(a, row_ids, block_matrix, table.trellis, table.twice_k, table.codebook,
-                                 _codebook_values(), table.in_features, table.out_features, BLOCK_M, out, fill)
+                                 codebook_values(), table.in_features, table.out_features, BLOCK_M, out, fill)
 
 
 # An op (launch_ops.py), so the glue around it runs on the meta device in the no-sync proof.
@@ -107,14 +108,25 @@ def _loaded() -> MatmulBackend:
     """The launcher with the extension built and its codebook tables made now, at load: a forward then finds
     both in memory (nothing is built or read from disk inside a forward)."""
     extension()
-    _codebook_values()
+    codebook_values()
     return CPU_MATMUL
+
+
+def _build_moe(layer: MoELayer) -> MoEKernel:
+    """The C++ MoE forward (cpu_moe.py: one job per layer on a persistent pool); with an expert cache, the rotated
+    glue, whose launcher writes each expert through into its slot (the C++ forward has no fill)."""
+    if layer.cache is not None:
+        return rotated_moe(layer, _loaded())
+    from .cpu_moe import CpuMoE  # cpu_moe imports this module (the extension it calls)
+
+    _loaded()
+    return CpuMoE(layer)
 
 
 BACKEND = Backend(
     name="cpu", description="the compiled CPU kernel", auto_on=("cpu",), graph_safe=True, write_through=True,
     unavailable=cpu_unavailable,
-    build_moe=lambda layer: rotated_moe(layer, _loaded()),
+    build_moe=_build_moe,
     build_linear=lambda layer: rotated_linear(layer, _loaded()),
 )
 

@@ -1,7 +1,8 @@
 """`bench-kernels --json FILE`: EXL3 expert MLPs on this CPU, side by side in one run.
 
 One layer of 8 experts (K=3 MUL1, hidden 2048, intermediate 768, random trellis) with every token routed to all
-8, so each forward reads every weight once: the compiled CPU kernel, the torch reference backend (experts in
+8, so each forward reads every weight once: the C++ MoE forward (kernels/cpu_moe.py, `cpu_moe`), the compiled
+CPU matmul in the rotated torch glue (`cpu_kernel`), the torch reference backend (experts in
 the host tier, decoded on each use) and a dense fp32 torch matmul of the same shapes (the speed a decoded copy
 would give, at 10x the memory). Reported in billions of weights per second, at 1 and 8 tokens.
 
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from ..exl3.decode import dequantize
 from ..kernels.activation import silu_and_mul
+from ..kernels.cpu_exl3 import CPU_MATMUL
+from ..kernels.rotated import rotated_moe
 from .random_layers import median_seconds, random_moe
 
 TRITON_KERNELS = "vllm_expert_offload.kernels.triton_exl3:backend_static_kernels"
@@ -78,6 +81,7 @@ def measure(shape: dict, repeats: int) -> dict:
     cpu = random_moe(**shape, host_share=1.0, backend="cpu", device=CPU, dtype=torch.float32)
     torch_ref = random_moe(**shape, host_share=1.0, backend="torch", device=CPU, dtype=torch.float32)
     dense = _dense_moe(cpu.sets, shape)
+    glue = rotated_moe(cpu.layer, CPU_MATMUL)  # the compiled matmul inside the rotated torch glue, same experts
     result = {}
     for tokens in (1, 8):
         gen = torch.Generator().manual_seed(tokens)
@@ -85,7 +89,8 @@ def measure(shape: dict, repeats: int) -> dict:
         ids = torch.arange(shape["experts"]).repeat(tokens, 1)
         weights = torch.rand(tokens, shape["experts"], generator=gen)
         seconds = {
-            "cpu_kernel": median_seconds(lambda: cpu.kernel.forward(x, weights, ids, False), repeats, CPU),
+            "cpu_moe": median_seconds(lambda: cpu.kernel.forward(x, weights, ids, False), repeats, CPU),
+            "cpu_kernel": median_seconds(lambda: glue.forward(x, weights, ids, False), repeats, CPU),
             "torch_reference": median_seconds(lambda: torch_ref.kernel.forward(x, weights, ids, False), repeats, CPU),
             "dense_matmul": median_seconds(lambda: dense(x, weights), repeats, CPU),
         }

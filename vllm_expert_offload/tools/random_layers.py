@@ -38,6 +38,7 @@ class RandomMoE:
     sets: list[dict[str, Exl3Linear]]  # the source tensor sets (CPU), e.g. for a dense comparison
     gpu_tier: torch.Tensor  # bool (experts,)
     expert_bytes: int  # bytes one expert's three projections read (trellis, scales, marker)
+    layer: MoELayer  # what the kernel was built from (another backend can be built from it)
 
 
 def random_moe(
@@ -58,7 +59,7 @@ def random_moe(
     layer = MoELayer(placed, tables, scales, arena, ExpertCrop(hidden, intermediate, 0), dtype, device)
     kernel = build_moe_kernel(KernelChoice(backend, backend, "benchmark"), layer)
     expert_bytes = sum(sets[0][p].nbytes() for p in PROJECTIONS)
-    return RandomMoE(kernel, sets, torch.tensor(gpu_tier), expert_bytes)
+    return RandomMoE(kernel, sets, torch.tensor(gpu_tier), expert_bytes, layer)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:

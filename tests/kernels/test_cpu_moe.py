@@ -1,0 +1,143 @@
+"""The C++ MoE forward (kernels/cpu_moe.py): its tile routine decodes W_hat bit-exactly on every ISA the CPU has,
+for every K and codebook; the whole layer equals the decode.py-based torch reference (TableMoE) within fp32
+reordering, with ids -1 contributing nothing, under a TP crop and the swiglu clamp, independently of the thread
+count; bad ids and a second job in flight are refused."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_expert_offload.exl3 import parse_linear
+from vllm_expert_offload.kernels import cpu_exl3
+from vllm_expert_offload.kernels.contract import ExpertCrop
+from vllm_expert_offload.kernels.cpu_moe import CpuMoE, abi
+from vllm_expert_offload.kernels.matrix_table import CODEBOOK_IDS
+
+from support import exl3_reference as ref
+from support.layers import make_layer
+from support.moe_layers import ALL_RATES, FULL, HIDDEN, TIERS, assert_close_to_reference, placed_moe, routing
+
+ISAS = ("baseline", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def extension() -> Iterator[object]:
+    why = cpu_exl3.cpu_kernel_unavailable()
+    if why is not None:
+        pytest.skip(f"compiled extension unavailable: {why}")
+    module = cpu_exl3.extension()
+    chosen = module.exl3_cpu_isa()
+    yield module
+    module.exl3_set_cpu_isa(chosen)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_tile_routine_decodes_every_rate_exactly(extension, isa: str) -> None:
+    try:
+        extension.exl3_set_cpu_isa(isa)
+    except RuntimeError as exc:
+        assert "does not support" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    values = cpu_exl3.codebook_values()
+    for i, (k, cb) in enumerate(ALL_RATES):
+        layer = parse_linear(make_layer(k, cb, 128, 128, seed=i))
+        expected = ref.rotated_weight_bits(layer.trellis.numpy(), k, cb).astype(np.int64)
+        code = CODEBOOK_IDS[layer.codebook]
+        for rows_per_block in (1, 5, 32):  # one-token path, a partial block, a full block
+            out = torch.full((128, 128), float("nan"))
+            extension.exl3_moe_matmul(torch.eye(128), layer.trellis.data_ptr(), round(2 * k), code, 128,
+                                      rows_per_block, values, out)
+            bits = out.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+            assert np.array_equal(bits, expected), (isa, k, cb, rows_per_block)
+
+
+def _skipping(ids: torch.Tensor, weights: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Some slots set to -1, and the reference's equivalent: those slots routed to expert 0 with weight 0."""
+    gen = torch.Generator().manual_seed(seed)
+    skipped = torch.rand(ids.shape, generator=gen) < 0.4
+    skipped[0] = True  # a token with no slot on this tier: its output is zero
+    return ids.masked_fill(skipped, -1), weights.masked_fill(skipped, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("crop", "swiglu_limit"),
+    [
+        (FULL, None),
+        (ExpertCrop(100, 96, 32), None),  # hidden and intermediate not on 128-blocks, a non-zero crop offset
+        (ExpertCrop(HIDDEN, 64, 192), 0.5),  # the last quarter of a simulated TP 4 split, clamp on
+    ],
+)
+def test_forward_matches_the_reference_and_skips_minus_one(extension, crop: ExpertCrop,
+                                                           swiglu_limit: float | None) -> None:
+    reference, kernel, _ = placed_moe(crop, lambda layer: CpuMoE(layer, threads=2), swiglu_limit, seed=1)
+    for tokens in (1, 3, 8, 40):  # 40: blocks of more than 32 rows for one expert
+        x, weights, ids = routing(tokens, seed=tokens)
+        x = x[:, : crop.hidden].contiguous()
+        for on_input in (False, True):
+            want = reference.forward(x, weights, ids, on_input)
+            assert_close_to_reference(kernel.forward(x, weights, ids, on_input), want)
+        skip_ids, skip_weights = _skipping(ids, weights, tokens)
+        got = kernel.forward(x, weights, skip_ids, False)
+        want = reference.forward(x, skip_weights, skip_ids.clamp(min=0), False)
+        assert_close_to_reference(got, want)
+        assert torch.equal(got[0], torch.zeros(crop.hidden))
+        assert not torch.allclose(got, reference.forward(x, weights, ids, False), rtol=1e-2)
+
+
+def test_result_does_not_depend_on_the_thread_count(extension) -> None:
+    _, one, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=1), seed=2)
+    _, three, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=3, cpus=(0,)), seed=2)
+    assert (one.threads, three.threads) == (1, 3)
+    x, weights, ids = routing(17, seed=5)
+    assert torch.equal(one.forward(x, weights, ids), three.forward(x, weights, ids))
+
+
+def test_bad_ids_are_refused_by_value(extension) -> None:
+    _, kernel, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), seed=3)
+    x, weights, ids = routing(2, seed=1)
+    for bad in (len(TIERS), -2):
+        wrong = ids.clone()
+        wrong[1, 1] = bad
+        with pytest.raises(RuntimeError, match=f"expert id {bad} outside"):
+            kernel.forward(x, weights, wrong)
+    kernel.forward(x, weights, ids)  # the layer is usable after a refused job
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_void_p), ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64),
+                ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("tokens", ctypes.c_int64),
+                ("top_k", ctypes.c_int64), ("route_on_input", ctypes.c_int32), ("out", ctypes.c_void_p),
+                ("out_stride", ctypes.c_int64), ("state", ctypes.c_int32), ("error", ctypes.c_char * 240)]
+
+
+def test_c_abi_submit_wait_matches_forward_and_refuses_a_second_job(extension) -> None:
+    _, kernel, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), seed=4)
+    submit_address, wait_address, size = abi()
+    assert size == ctypes.sizeof(_Job)
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Job))
+    submit, wait = prototype(submit_address), prototype(wait_address)
+    x, weights, ids = routing(6, seed=9)
+    ids32 = ids.to(torch.int32).contiguous()
+    out = torch.full((6, HIDDEN), float("nan"))
+    job = _Job(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
+               HIDDEN)
+    assert submit(ctypes.byref(job)) == 0
+    second = _Job(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
+                  HIDDEN)
+    refused = submit(ctypes.byref(second))
+    assert wait(ctypes.byref(job)) == 0 and job.state == 1
+    if refused != 0:  # the first job may already be done when the second arrives
+        assert b"already has a job in flight" in second.error and second.state == -1
+    assert torch.equal(out, kernel.forward(x, weights, ids))
+
+
+def test_the_cpu_backend_builds_the_cpp_forward_without_a_cache(extension) -> None:
+    """The oracle's cpu backend (the CPU engine's MoE layers) runs this kernel; with an expert cache it keeps the
+    rotated glue, whose launcher writes experts through into their slots."""
+    _, kernel, _ = placed_moe(FULL, cpu_exl3.BACKEND.build_moe, seed=6)
+    assert isinstance(kernel, CpuMoE)
