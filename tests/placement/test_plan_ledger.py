@@ -74,4 +74,4 @@ def test_plan_ep_over_more_ranks_than_experts_is_refused(tmp_path, capsys) -> No
     model = build_tiny_model(None, "qwen3_moe")
     assert main(["plan", "--model", str(model), "--host-fraction", "0.5", "--tp", "4", "--dp", "4", "--ep",
                  "--out", str(tmp_path / "p.json")]) == 2
-    assert "--ep over 16 ranks: the model has only 8 routed experts per layer" in capsys.readouterr().out
+    assert "--ep over 16 ranks: the model has only 8 routed experts per layer" in capsys.readouterr().err

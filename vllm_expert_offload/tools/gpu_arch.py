@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .errors import ToolInputError
+
 # --gpu-arch names -> (major, minor) of the CUDA compute capability.
 ARCHES: dict[str, tuple[int, int]] = {"sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 
@@ -24,7 +26,7 @@ def emulated(arch: str | None) -> Iterator[None]:
         yield
         return
     if arch not in ARCHES:
-        raise ValueError(f"--gpu-arch {arch!r}: use one of {', '.join(ARCHES)}")
+        raise ToolInputError(f"--gpu-arch {arch!r}: use one of {', '.join(ARCHES)}")
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .errors import ToolRunError
+
 
 def run_json(module: str, args: list[str], triton_interpret: bool) -> Any:
     """`python -m module *args` with TRITON_INTERPRET set or removed; its stdout's last line, parsed. Its stderr
@@ -24,7 +26,7 @@ def run_json(module: str, args: list[str], triton_interpret: bool) -> Any:
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"python -m {module} {' '.join(args)} failed with exit status {done.returncode}")
+        raise ToolRunError(f"python -m {module} {' '.join(args)} failed with exit status {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

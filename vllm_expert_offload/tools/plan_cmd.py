@@ -15,10 +15,12 @@ import numpy as np
 from ..exl3.checkpoint import Exl3Checkpoint
 from ..exl3.residency import Residency, ResidencyOptions, residency
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
-from ..offload.options import OffloadOptions
+from ..offload.options import OPTION_KEY, OffloadOptionError, OffloadOptions, parse_offload_options
 from ..offload.rank_plan import ExpertGeometry, RankExperts, make_plan, model_identity, record_bytes_matrix
 from ..placement import Ledger, ModelIdentity, save_plan
 from ..units import GIB
+from ..validation import finite_number
+from .errors import ToolInputError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "experts, vLLM's linear placement; the budget is per rank, a ledger per rank")
     parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="KV cache per GPU, for the ledger")
     parser.add_argument("--gpu-memory-gib", type=float, help="GPU capacity; refuses a plan that does not fit")
-    parser.add_argument("--margin", type=float, default=0.03, help="share of GPU memory kept free (default 0.03)")
+    parser.add_argument("--margin", type=float, default=0.03, help="share of GPU memory kept free (default 0.03; "
+                        "serving's expert_offload.min_free_fraction, checked the same way)")
     parser.add_argument("--dequantize-linears", action="store_true",
                         help="count dense EXL3 linears decoded to fp16, as serving with expert_offload."
                              "dequantize_linears holds them (default: their quantized size, as the GPU kernels read them)")
@@ -91,16 +94,16 @@ def expert_sizes(ckpt: Exl3Checkpoint, tp: int, summary: CheckpointSummary | Non
                  ) -> tuple[CheckpointSummary, np.ndarray, ModelIdentity]:
     """The checkpoint's summary (validated here unless given), per-rank bytes of each routed expert [moe layers,
     experts] (`tp`: the MoE layers' TP size, 1 for whole experts under expert parallelism over `ep_size` ranks) and
-    the identity a plan records for them; ValueError when there is nothing to place or `tp` does not split the
+    the identity a plan records for them; ToolInputError when there is nothing to place or `tp` does not split the
     experts."""
     summary = validate_checkpoint(ckpt) if summary is None else summary
     if summary.layout is None:
-        raise ValueError(f"{ckpt.path}: no routed experts of a supported architecture to place")
+        raise ToolInputError(f"{ckpt.path}: no routed experts of a supported architecture to place")
     layout = summary.layout
     if layout.intermediate_size % tp:
-        raise ValueError(f"--tp {tp} does not divide the expert intermediate size {layout.intermediate_size}")
+        raise ToolInputError(f"--tp {tp} does not divide the expert intermediate size {layout.intermediate_size}")
     if ep_size > layout.num_experts:
-        raise ValueError(f"--ep over {ep_size} ranks: the model has only {layout.num_experts} routed experts per layer")
+        raise ToolInputError(f"--ep over {ep_size} ranks: the model has only {layout.num_experts} routed experts per layer")
     geometry = ExpertGeometry(layout.hidden_size, layout.intermediate_size, layout.intermediate_size // tp, 0, tp)
     sizes = record_bytes_matrix(summary, geometry)
     return summary, sizes, model_identity(summary, tp, sizes, ep_size)
@@ -132,16 +135,41 @@ def _rank_lines(ledgers: list[Ledger], ranks: list[RankExperts]) -> str:
     return "\n".join(lines)
 
 
+# The flags that are serving options, by the expert_offload key serving's reader names in its refusals.
+SERVING_FLAGS = {"gpu_budget_gib": "--gpu-budget-gib", "host_fraction": "--host-fraction", "stats": "--stats",
+                 "min_free_fraction": "--margin"}
+
+
+def serving_options(args: argparse.Namespace) -> OffloadOptions:
+    """The placement flags read by serving's own reader (offload/options.py), so `plan` accepts exactly what
+    `vllm serve` would: --host-fraction 1.5 or a --gpu-budget-gib of -1 is refused here as it is there, with
+    serving's message after the flag."""
+    values = {"gpu_budget_gib": args.gpu_budget_gib, "host_fraction": args.host_fraction,
+              "stats": None if args.stats is None else str(args.stats), "min_free_fraction": args.margin}
+    try:
+        return parse_offload_options({OPTION_KEY: {k: v for k, v in values.items() if v is not None}})
+    except OffloadOptionError as exc:
+        flag = next((f for key, f in SERVING_FLAGS.items() if f"{OPTION_KEY}.{key}" in str(exc)), "plan")
+        raise ToolInputError(f"{flag}: {exc}") from None
+
+
+def check_layout_flags(args: argparse.Namespace) -> None:
+    """The flags only `plan` has: rank counts of at least one, memory sizes that are finite and not negative."""
+    for flag, ranks in (("--tp", args.tp), ("--dp", args.dp)):
+        if ranks < 1:
+            raise ToolInputError(f"{flag}: {ranks} ranks; expected at least 1")
+    finite_number(args.kv_cache_gib, "--kv-cache-gib", ToolInputError, 0.0)
+    if args.gpu_memory_gib is not None:
+        finite_number(args.gpu_memory_gib, "--gpu-memory-gib", ToolInputError, 0.0)
+
+
 def run(args: argparse.Namespace) -> int:
+    options = serving_options(args)
+    check_layout_flags(args)
     ckpt = Exl3Checkpoint.open(args.model)
     ranks_total = args.tp * args.dp
     moe_tp, ep_size = (1, ranks_total) if args.ep else (ranks_total, 1)  # vLLM's FusedMoEParallelConfig.make
-    try:
-        summary, sizes, identity = expert_sizes(ckpt, moe_tp, ep_size=ep_size)
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    options = OffloadOptions(gpu_budget_gib=args.gpu_budget_gib, host_fraction=args.host_fraction, stats=args.stats)
+    summary, sizes, identity = expert_sizes(ckpt, moe_tp, ep_size=ep_size)
     ranks = [RankExperts.linear(sizes.shape[1], r, ep_size) for r in range(ep_size)] if args.ep else [None]
     parts = [make_plan(options, sizes, identity, rank=rank) for rank in ranks]
     plan, source = np.logical_or.reduce([part for part, _ in parts]), parts[0][1]

@@ -18,6 +18,7 @@ import numpy as np
 from ..exl3.checkpoint import Exl3Checkpoint
 from ..placement import DecodeCostModel, ModelIdentity, RoutingCounts, StepBound, read_plan, step_bound
 from ..placement.planfile import expert_bytes_checksum
+from .errors import ToolInputError
 from .plan_cmd import expert_sizes
 
 GB = 1e9
@@ -63,7 +64,7 @@ def _largest_read(limits: dict, key: str) -> float:
         by_size = limits[key]
         return float(by_size[max(by_size, key=lambda name: int(name.removesuffix("KiB")))])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"gpu-check file lacks a usable {key!r} ({{'<n>KiB': GB/s}}): {exc!r}") from None
+        raise ToolInputError(f"gpu-check file lacks a usable {key!r} ({{'<n>KiB': GB/s}}): {exc!r}") from None
 
 
 def plan_sizes(identity: ModelIdentity, model: Path | None, expert_bytes: int | None) -> np.ndarray:
@@ -72,11 +73,11 @@ def plan_sizes(identity: ModelIdentity, model: Path | None, expert_bytes: int | 
     if model is not None:
         _, sizes, checkpoint_identity = expert_sizes(Exl3Checkpoint.open(model), identity.tp_size)
         if (difference := identity.first_difference(checkpoint_identity)) is not None:
-            raise ValueError(f"the plan was made for another model than {model}: {difference}")
+            raise ToolInputError(f"the plan was made for another model than {model}: {difference}")
         return sizes
     sizes = np.full((len(identity.moe_layers), identity.num_experts), expert_bytes, dtype=np.int64)
     if expert_bytes_checksum(sizes) != identity.expert_bytes_sha256:
-        raise ValueError(f"the plan was made for other expert sizes than {expert_bytes} bytes each "
+        raise ToolInputError(f"the plan was made for other expert sizes than {expert_bytes} bytes each "
                          "(expert_bytes_sha256 differs): pass --model, or the per-GPU size `plan` used")
     return sizes
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan, identity = read_plan(args.plan)
         if identity.ep_size > 1:  # each rank reads its own experts, in parallel: not what one step's sum models
-            raise ValueError(f"{args.plan} is an expert-parallel plan (ep_size {identity.ep_size}); simulate models "
+            raise ToolInputError(f"{args.plan} is an expert-parallel plan (ep_size {identity.ep_size}); simulate models "
                              "one rank holding a share of every expert, not expert parallelism, yet")
         link, hbm = bandwidths(args.pcie_gbs, args.hbm_gbs, args.gpu_check)
         model = DecodeCostModel(args.top_k, link, hbm, args.dense_bytes_per_layer, overlap=not args.serial)
