@@ -31,6 +31,7 @@ import random
 import pytest
 import torch
 
+from support.vllm_cpu_build import needs_vllm_dsv4_cpu_kernels
 from vllm_expert_offload.testing import dsv4_cpu_shim
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy, teacher_forced_gaps
@@ -88,6 +89,7 @@ def test_shim_refuses_other_vllm_versions(monkeypatch: pytest.MonkeyPatch) -> No
         dsv4_cpu_shim.check_vllm_version()
 
 
+@needs_vllm_dsv4_cpu_kernels
 @pytest.mark.engine
 def test_stock_vllm_dsv4_tracks_hf_reference() -> None:
     model_dir = str(build_tiny_dsv4())

@@ -20,6 +20,7 @@ import random
 
 import pytest
 
+from support.vllm_cpu_build import needs_vllm_dsv4_cpu_kernels
 from vllm_expert_offload.testing.engine import EngineSpec, generate_greedy
 from vllm_expert_offload.testing.reference import compare_greedy, hf_greedy, teacher_forced_gaps
 from vllm_expert_offload.testing.tiny_dsv4 import build_tiny_dsv4_exl3, hf_without_routed_clamp
@@ -40,6 +41,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+@needs_vllm_dsv4_cpu_kernels
 @pytest.mark.inductor
 @pytest.mark.parametrize(("host_fraction", "enforce_eager"), [(1.0, True), (0.5, False)], ids=["eager", "compiled"])
 def test_exl3_dsv4_tracks_hf_on_the_dense_twin(host_fraction: float, enforce_eager: bool) -> None:

@@ -215,14 +215,15 @@ def _check_experts(model, tensors: dict, tp: int, rank: int, report: dict) -> No
         method = getattr(module, "quant_method", None)
         if not isinstance(method, Exl3MoEMethod):
             continue
-        layout = method.quant_config.summary.layout
-        placed = getattr(method, "placed", {})
+        loading = method.loading  # load_weights ran, process_weights_after_loading did not: still loading
+        layout = loading.summary.layout
+        placed = loading.placed
         for expert in range(layout.num_experts):
             key = f"{name}.expert{expert}"
             if expert not in placed:
                 report["mismatched"].append(f"{key}: not placed")
                 continue
-            shares = _expert_shares(tensors, layout, method.layer_index, expert, tp, rank)
+            shares = _expert_shares(tensors, layout, loading.layer_index, expert, tp, rank)
             ok = all(torch.equal(placed[expert].projections[p].trellis.cpu(), shares[p][0])
                      and torch.equal(placed[expert].projections[p].suh.cpu(), shares[p][1])
                      and torch.equal(placed[expert].projections[p].svh.cpu(), shares[p][2]) for p in shares)
