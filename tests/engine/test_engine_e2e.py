@@ -75,8 +75,10 @@ def test_tensor_parallel_2_matches_tensor_parallel_1() -> None:
     assert model.generate(block_size=64, tensor_parallel_size=2, **_offload(1.0)) == tp1
 
 
-@pytest.mark.parametrize("block_size", [32, 128, 256])
+@pytest.mark.parametrize("block_size", [128, 256])
 def test_tensor_parallel_2_other_block_sizes_with_every_expert_in_host_tier(block_size: int) -> None:
+    """The seeds' crash sizes and above at TP 2 (64 is the TP 1 comparison's; 32 is served at TP 1 above: a TP 2
+    start there cost 43 s of CI's 45 minutes and guarded nothing the two others do not)."""
     Model.get("qwen3_moe").check(block_size=block_size, tensor_parallel_size=2, **_offload(1.0))
 
 
