@@ -102,12 +102,10 @@ async def timed_completion(client: AsyncOpenAI, model: str, prompt: str, max_tok
     usage = None
     async with stream:  # closes the connection when a chunk is refused mid-stream
         async for chunk in stream:
-            if chunk.choices:
-                last = time.perf_counter()
+            if chunk.choices and (count := _chunk_tokens(chunk, counting, sum(counts))) > 0:
+                last = time.perf_counter()  # a chunk without tokens (a finish reason alone) is no token event
                 first = first or last
-                count = _chunk_tokens(chunk, counting, sum(counts))
-                if count > 0:
-                    counts.append(count)
+                counts.append(count)
             usage = chunk.usage or usage
     if first is None or not counts or usage is None:
         raise ToolRunError("the server streamed no tokens or no usage (stream_options include_usage)")
