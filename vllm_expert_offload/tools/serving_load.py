@@ -13,9 +13,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
+import httpx
 import numpy as np
 from openai import AsyncOpenAI
+from openai.types import Completion
+
+from .errors import ToolInputError, ToolRunError
 
 _WORDS = ("read the file then call the tool with its path and report each error found in the output "
           "before you change any line of code or write a test").split()
@@ -28,63 +33,179 @@ def filler(words: int, offset: int = 0) -> str:
 
 @dataclass(frozen=True)
 class Timing:
-    """One streamed request: time to first token, tokens generated, and first-to-last token time."""
+    """One streamed request as its user saw it: each chunk's arrival time and the tokens that chunk carried.
+
+    Tokens are counted per chunk (from the chunk's own usage or logprobs), never as the final usage over the chunks'
+    times: vLLM's output collector merges tokens the client has not yet taken into one chunk, and counting a
+    burst's tokens against the gaps between single chunks makes a stream look faster than it was."""
 
     ttft_s: float
-    tokens: int
-    decode_s: float
+    total_s: float  # from sending the request to its last chunk
+    chunk_tokens: tuple[int, ...]
+    decode_s: float  # first chunk to last chunk
     prompt_tokens: int
 
     @property
+    def tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens that arrived after the first chunk: the ones the decode time was spent on."""
+        return self.tokens - self.chunk_tokens[0]
+
+    @property
     def decode_tok_s(self) -> float | None:
-        """Per-stream decode speed, TTFT excluded: (tokens - 1) / (t_last - t_first)."""
-        return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else None
+        """Per-stream decode speed, TTFT excluded: tokens after the first chunk / (t_last - t_first)."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens > 0 and self.decode_s > 0 else None
+
+    @property
+    def end_to_end_tok_s(self) -> float:
+        """What the stream's user got: every token over the time since the request was sent."""
+        return self.tokens / self.total_s
+
+    @property
+    def merged_chunks(self) -> int:
+        """Chunks carrying several tokens: the server fell behind its engine and sent a backlog at once."""
+        return sum(1 for n in self.chunk_tokens if n > 1)
 
 
-async def timed_completion(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> Timing:
-    """Stream one completion; each chunk with a choice is a token event, usage gives the token counts."""
+TokenCounting = Literal["usage", "logprobs"]
+
+
+def _chunk_tokens(chunk: Completion, counting: TokenCounting, previous_total: int) -> int:
+    """Tokens one chunk carries: the growth of its cumulative usage, or the number of logprob entries."""
+    if counting == "usage":
+        if chunk.usage is None:
+            raise ToolInputError("the server sent a token chunk without usage although continuous_usage_stats "
+                                 "was requested: tokens per chunk cannot be counted")
+        return chunk.usage.completion_tokens - previous_total
+    logprobs = chunk.choices[0].logprobs
+    if logprobs is None or logprobs.tokens is None:
+        raise ToolInputError("the server sent a token chunk without the requested logprobs: tokens per chunk "
+                             "cannot be counted")
+    return len(logprobs.tokens)
+
+
+async def timed_completion(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int,
+                           counting: TokenCounting = "usage") -> Timing:
+    """Stream one completion, counting each chunk's tokens the way `counting` says (see `probe_token_counting`)."""
+    per_chunk = ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if counting == "usage"
+                 else {"stream_options": {"include_usage": True}, "logprobs": 0})
     start = time.perf_counter()
     first = last = None
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True}, **per_chunk,
     )
+    counts: list[int] = []
     usage = None
-    async for chunk in stream:
-        if chunk.choices:
-            last = time.perf_counter()
-            first = first or last
-        usage = chunk.usage or usage
-    if first is None or usage is None:
-        raise RuntimeError("the server streamed no tokens or no usage (stream_options include_usage)")
-    return Timing(first - start, usage.completion_tokens, last - first, usage.prompt_tokens)
+    async with stream:  # closes the connection when a chunk is refused mid-stream
+        async for chunk in stream:
+            if chunk.choices and (count := _chunk_tokens(chunk, counting, sum(counts))) > 0:
+                last = time.perf_counter()  # a chunk without tokens (a finish reason alone) is no token event
+                first = first or last
+                counts.append(count)
+            usage = chunk.usage or usage
+    if first is None or not counts or usage is None:
+        raise ToolRunError("the server streamed no tokens or no usage (stream_options include_usage)")
+    if sum(counts) != usage.completion_tokens:
+        raise ToolRunError(f"the chunks carried {sum(counts)} tokens but the final usage says "
+                           f"{usage.completion_tokens}: tokens per chunk cannot be trusted")
+    return Timing(first - start, last - start, tuple(counts), last - first, usage.prompt_tokens)
+
+
+async def probe_token_counting(client: AsyncOpenAI, model: str, prompt: str) -> tuple[TokenCounting, Timing]:
+    """How this server lets a client count tokens per chunk: vLLM's continuous usage, else logprobs, else refused.
+
+    Without either, a chunk's token count is a guess, and a per-stream speed built on guesses can be impossible."""
+    reasons = []
+    for counting in ("usage", "logprobs"):
+        try:
+            return counting, await timed_completion(client, model, prompt, 4, counting)
+        except ToolInputError as error:
+            reasons.append(f"{counting}: {error}")
+    raise ToolInputError("bench cannot count tokens per chunk on this server, so it would report speeds it cannot "
+                         "stand behind; it offers neither stream_options.continuous_usage_stats nor logprobs "
+                         f"({'; '.join(reasons)})")
+
+
+@dataclass(frozen=True)
+class ServerCheck:
+    """The level's per-stream decode rates summed, against the server's own generated-token counter."""
+
+    streams_tok_s: float  # sum over sessions of each session's decode rate
+    server_tok_s: float  # vllm:generation_tokens_total's growth over the level's decode time
+    server_tokens: float
+    client_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        """Streams cannot together decode faster than the server generated, nor receive more than it generated."""
+        return (self.streams_tok_s <= self.server_tok_s * (1 + SERVER_CHECK_TOLERANCE)
+                and self.client_tokens <= self.server_tokens)
+
+
+# Sessions' decode windows and the level's decode time are measured on the client a few ms apart; beyond this
+# share the streams claim speed the server did not generate.
+SERVER_CHECK_TOLERANCE = 0.15
+GENERATION_COUNTER = "vllm:generation_tokens_total"
+
+
+async def generated_tokens(base_url: str) -> float | None:
+    """The server's vllm:generation_tokens_total (summed over its label sets), None if /metrics has no such counter."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        response = await http.get(f"{base_url}/metrics")
+    if response.status_code != 200:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+              if line.startswith(GENERATION_COUNTER + "{") or line.startswith(GENERATION_COUNTER + " ")]
+    return sum(values) if values else None
 
 
 @dataclass(frozen=True)
 class LevelResult:
     concurrency: int
-    median_tok_s: float
-    p5_tok_s: float
+    median_tok_s: float | None  # decode rate; None when no request decoded after its first chunk
+    p5_tok_s: float | None
+    median_end_to_end_tok_s: float
+    p5_end_to_end_tok_s: float
     ttft_median_s: float
     ttft_p95_s: float
     aggregate_tok_s: float
+    merged_chunks: int
+    chunks: int
     mean_prompt_tokens: float
+    server_check: ServerCheck | None  # None when the server exposes no generated-token counter
+
+    @property
+    def failed(self) -> str | None:
+        """Why this level's figures are not a result, or None when they are."""
+        if self.median_tok_s is None:
+            return "no request received a token after its first chunk: the decode rate is unmeasured"
+        if self.server_check is not None and not self.server_check.ok:
+            check = self.server_check
+            return (f"streams claim {check.streams_tok_s:.1f} tok/s together and received {check.client_tokens} "
+                    f"tokens; the server generated {check.server_tok_s:.1f} tok/s ({check.server_tokens:.0f} tokens)")
+        return None
 
 
 class AgentLoad:
     """Sessions sharing one system prefix of about `prefix_tokens` server tokens, each turn adding unique text."""
 
-    def __init__(self, client: AsyncOpenAI, model: str, prefix_tokens: int, output_tokens: int,
+    def __init__(self, client: AsyncOpenAI, base_url: str, model: str, prefix_tokens: int, output_tokens: int,
                  on_request: Callable[[], None] = lambda: None) -> None:
-        self.client, self.model, self.output_tokens = client, model, output_tokens
+        self.client, self.base_url, self.model, self.output_tokens = client, base_url, model, output_tokens
         self.prefix_tokens, self.on_request = prefix_tokens, on_request
         self.tokens_per_word = 1.0
         self.prefix = ""
+        self.counting: TokenCounting = "usage"
 
     async def warm_up(self) -> None:
-        """Measure tokens per filler word with one request (it also warms the server); build and send the prefix."""
+        """Find how the server lets tokens be counted per chunk and measure tokens per filler word with one request
+        (it also warms the server); build and send the prefix."""
         probe_words = 200
-        timing = await timed_completion(self.client, self.model, filler(probe_words), 2)
+        self.counting, timing = await probe_token_counting(self.client, self.model, filler(probe_words))
         self.tokens_per_word = timing.prompt_tokens / probe_words
         self.prefix = filler(self.words(self.prefix_tokens))
         self.on_request()
@@ -94,7 +215,7 @@ class AgentLoad:
         return max(1, int(tokens / self.tokens_per_word))
 
     async def _request(self, prompt: str, max_tokens: int) -> Timing:
-        timing = await timed_completion(self.client, self.model, prompt, max_tokens)
+        timing = await timed_completion(self.client, self.model, prompt, max_tokens, self.counting)
         self.on_request()
         return timing
 
@@ -107,19 +228,26 @@ class AgentLoad:
 
     async def level(self, concurrency: int, turns: int) -> LevelResult:
         """`concurrency` sessions of `turns` sequential requests each, all sessions at once."""
+        counter_before = await generated_tokens(self.base_url)
         start = time.perf_counter()
         sessions = (self._session(f"session {concurrency}.{i}", turns) for i in range(concurrency))
         runs = await asyncio.gather(*sessions)
         wall = time.perf_counter() - start
+        counter_after = await generated_tokens(self.base_url)
         timings = [t for run in runs for t in run]
         speeds = np.array([t.decode_tok_s for t in timings if t.decode_tok_s is not None])
-        if speeds.size == 0:
-            raise RuntimeError("no request produced two tokens: raise --output-tokens")
+        end_to_end = np.array([t.end_to_end_tok_s for t in timings])
         ttft = np.array([t.ttft_s for t in timings])
+        check = None
+        if counter_before is not None and counter_after is not None:
+            check = server_check(runs, wall, counter_after - counter_before)
         return LevelResult(
-            concurrency, float(np.median(speeds)), float(np.percentile(speeds, 5)), float(np.median(ttft)),
-            float(np.percentile(ttft, 95)), sum(t.tokens for t in timings) / wall,
-            float(np.mean([t.prompt_tokens for t in timings])),
+            concurrency, float(np.median(speeds)) if speeds.size else None,
+            float(np.percentile(speeds, 5)) if speeds.size else None,
+            float(np.median(end_to_end)), float(np.percentile(end_to_end, 5)),
+            float(np.median(ttft)), float(np.percentile(ttft, 95)), sum(t.tokens for t in timings) / wall,
+            sum(t.merged_chunks for t in timings), sum(len(t.chunk_tokens) for t in timings),
+            float(np.mean([t.prompt_tokens for t in timings])), check,
         )
 
     async def cold_and_cached_ttft(self, prefix_tokens: int, repeats: int) -> tuple[float, float, int]:
@@ -134,3 +262,20 @@ class AgentLoad:
             cached.append((await self._request(prompt, 1)).ttft_s)
             prompt_tokens = first.prompt_tokens
         return float(np.median(cold)), float(np.median(cached)), prompt_tokens
+
+
+def server_check(runs: list[list[Timing]], wall_s: float, server_tokens: float) -> ServerCheck:
+    """Sum of the sessions' decode rates against the server's counter over the level's decode time.
+
+    The decode time is the level's wall time less the median session's wait for single-token first chunks (prefill).
+    A first chunk carrying several tokens means decode steps ran during that wait, so that wait stays in: a stream
+    that got a backlog at once cannot push the server's rate up by the time the backlog hid."""
+    rates, waits = [], []
+    for timings in runs:
+        decode_tokens = sum(t.decode_tokens for t in timings)
+        decode_s = sum(t.decode_s for t in timings)
+        rates.append(decode_tokens / decode_s if decode_s > 0 else 0.0)
+        waits.append(sum(t.ttft_s for t in timings if t.chunk_tokens[0] == 1))
+    decode_wall = wall_s - float(np.median(waits))
+    return ServerCheck(sum(rates), server_tokens / decode_wall, server_tokens,
+                       sum(t.tokens for timings in runs for t in timings))

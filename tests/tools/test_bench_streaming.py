@@ -1,0 +1,102 @@
+"""`bench` against an in-process fake OpenAI streaming server: per-chunk token counts, bursts, the /metrics check.
+
+Issue 40: a stream whose tokens arrived in a few bursts printed 3,544 tok/s per stream beside 127 tok/s in total,
+because chunk times were set against the final usage's token count. Each case below scripts the chunk timing a real
+server produced (or one that makes a figure impossible) and checks `bench` reports it right or flags it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.fake_openai import FakeServer, backlog_first, serving, stall_mid_stream, steady
+from vllm_expert_offload.cli import main
+
+OUTPUT_TOKENS = 24
+GAP_S = 0.01  # 100 tok/s per stream, the tiny server's steady rate in issue 40
+
+
+def _bench(url: str, tmp_path, capsys, concurrency: str = "1,2") -> tuple[int, dict | None, str]:
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--url", url, "--concurrency", concurrency, "--output-tokens", str(OUTPUT_TOKENS),
+                 "--prefix-tokens", "40", "--turns", "1", "--ttft-repeats", "1", "--target-tok-s", "20",
+                 "--json", str(out)])
+    result = json.loads(out.read_text()) if out.exists() else None
+    return code, result, capsys.readouterr()
+
+
+def test_steady_stream_reports_its_rate_and_passes_the_server_check(tmp_path, capsys) -> None:
+    with serving(FakeServer(steady(0.02, GAP_S))) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys)
+    assert code == 0 and result["settings"]["token_counting"] == "usage"
+    for row in result["concurrency"]:
+        assert row["failed"] is None and row["merged_chunks"] == 0 and row["chunks"] == row["concurrency"] * 24
+        # sleeps only overshoot: at most the scripted 100 tok/s, and a busy machine halves it at worst
+        assert 50 < row["median_tok_s"] <= 1 / GAP_S * 1.02
+        assert row["median_end_to_end_tok_s"] < row["median_tok_s"]  # the wait for the first token counts there
+        check = row["server_check"]
+        assert check["client_tokens"] == check["server_tokens"] == row["concurrency"] * OUTPUT_TOKENS
+        assert check["streams_tok_s"] <= check["server_tok_s"] * 1.15
+    assert result["capacity_at_target"] == 2
+    assert "FAILED" not in out.out and "server generated" in out.out
+
+
+def test_backlog_in_the_first_chunk_is_flagged_not_printed_as_a_speed(tmp_path, capsys) -> None:
+    """The 3,544 tok/s case: 12 tokens come at once after a stall, the rest 1 ms apart.
+
+    Counted the old way (usage tokens over chunk times) this stream decodes at ~2,000 tok/s; counted per chunk, its
+    decode rate is the remaining tokens' 1,000 tok/s, which the server's counter (24 tokens in ~0.15 s) refutes."""
+    with serving(FakeServer(backlog_first(0.12, 12, 0.001))) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys)
+    assert code == 0
+    for row in result["concurrency"]:
+        assert row["failed"] is not None and "server generated" in row["failed"]
+        assert row["merged_chunks"] == row["concurrency"]
+        assert row["median_end_to_end_tok_s"] < 1 / GAP_S * 2  # what the user got: 24 tokens in ~0.14 s
+    assert result["capacity_at_target"] is None
+    assert out.out.count("FAILED, not a result") == 2 and "fell behind" in out.out
+
+
+def test_a_stall_mid_stream_comes_out_right_with_its_merged_chunk_counted(tmp_path, capsys) -> None:
+    """Steady 10 ms chunks, then 12 tokens as one chunk after a 130 ms stall: the rate is tokens over the time."""
+    with serving(FakeServer(stall_mid_stream(GAP_S, 0.13, 12))) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    (row,) = result["concurrency"]
+    assert code == 0 and row["failed"] is None and row["merged_chunks"] == 1 and row["chunks"] == 13
+    # 23 tokens after the first over 11 gaps and the stall: at most 23 / 0.24 s
+    assert 50 < row["median_tok_s"] <= 23 / (11 * GAP_S + 0.13) * 1.02
+    assert "1 of 13 chunks carried several tokens" in out.out
+
+
+def test_metrics_counter_below_the_streamed_tokens_fails_the_level(tmp_path, capsys) -> None:
+    with serving(FakeServer(steady(0.02, GAP_S), counter_factor=0.5)) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    (row,) = result["concurrency"]
+    assert code == 0 and row["failed"] is not None and result["capacity_at_target"] is None
+    assert row["server_check"]["client_tokens"] == 2 * row["server_check"]["server_tokens"]
+
+
+def test_server_without_metrics_is_reported_unchecked(tmp_path, capsys) -> None:
+    with serving(FakeServer(steady(0.02, GAP_S), metrics=False)) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    (row,) = result["concurrency"]
+    assert code == 0 and row["failed"] is None and row["server_check"] is None
+    assert "not checked" in out.out and result["capacity_at_target"] == 1
+
+
+def test_logprobs_count_tokens_when_continuous_usage_is_missing(tmp_path, capsys) -> None:
+    with serving(FakeServer(stall_mid_stream(GAP_S, 0.05, 5), continuous_usage=False)) as server:
+        code, result, _ = _bench(server.url, tmp_path, capsys, concurrency="1")
+    (row,) = result["concurrency"]
+    assert code == 0 and result["settings"]["token_counting"] == "logprobs"
+    assert row["merged_chunks"] == 1 and row["chunks"] == OUTPUT_TOKENS - 4 and row["failed"] is None
+
+
+def test_server_with_neither_continuous_usage_nor_logprobs_is_refused(tmp_path, capsys) -> None:
+    with serving(FakeServer(steady(0.0, 0.0), continuous_usage=False, logprobs=False)) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    assert code == 2 and result is None
+    lines = [line for line in out.err.splitlines() if line and not line.startswith("requests:")]  # tqdm's bar
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "continuous_usage_stats" in lines[0] and "logprobs" in lines[0]
