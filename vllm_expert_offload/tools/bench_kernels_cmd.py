@@ -6,6 +6,13 @@ CPU matmul in the rotated torch glue (`cpu_kernel`), the torch reference backend
 the host tier, decoded on each use) and a dense fp32 torch matmul of the same shapes (the speed a decoded copy
 would give, at 10x the memory). Reported in billions of weights per second, at 1 and 8 tokens.
 
+The CPU kernel (the C++ MoE forward, which carries the CPU tier) also gets issue #41's keys:
+cpu_kernel_gweights_s_1tok / _8tok, and under `cpu_kernel` the same per core (per thread, one per core), the bytes/s
+it reads as a fraction of this machine's DRAM read bandwidth (a multithreaded sum over a buffer far larger than the
+caches, measured in the same run), and exllamav3 1.6.5's CPU MoE on the same experts, threads and inputs when a
+scratch build of it is given (--exllamav3-ext or $EXL3_CPU_SCRATCH_EXT; tools/exllamav3_cpu.py builds one), else
+the reason it is skipped.
+
 With --static, no timing: the Triton backend's kernels compiled for sm_90 and sm_120 (no GPU needed), their
 registers, spills, shared memory, trellis load width and decode-loop instructions per weight, the launches of its
 forwards counted under Triton's interpreter, and estimates of the decode time per MoE layer and of a prefill's
@@ -27,6 +34,7 @@ from ..exl3.decode import dequantize
 from ..kernels.activation import silu_and_mul
 from ..kernels.cpu_exl3 import CPU_MATMUL
 from ..kernels.rotated import rotated_moe
+from .exllamav3_cpu import Exllamav3Layer, exllamav3_from
 from .random_layers import median_seconds, random_moe
 
 TRITON_KERNELS = "vllm_expert_offload.kernels.triton_exl3:backend_static_kernels"
@@ -56,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--static", action="store_true",
                         help="compile the Triton kernels for sm_90/sm_120 and report their static facts instead")
+    parser.add_argument("--exllamav3-ext", type=Path,
+                        help="exllamav3's CPU MoE scratch build (exl3cpu_scratch.so) to measure beside ours")
+    parser.add_argument("--dram-mib", type=int, default=512, help="buffer the DRAM read probe sums (MiB)")
     parser.add_argument("--shape", type=json.loads, default=SHAPE, help=argparse.SUPPRESS)  # tests use a tiny one
     parser.set_defaults(handler=run)
 
@@ -76,13 +87,21 @@ def _dense_moe(sets, shape: dict):
     return forward
 
 
-def measure(shape: dict, repeats: int) -> dict:
+def dram_read_bytes_s(mib: int, repeats: int) -> float:
+    """Bytes/s of a multithreaded sum over `mib` MiB (the read bandwidth the kernel's trellis streaming competes for)."""
+    buffer = torch.ones(mib << 18)
+    return buffer.nbytes / median_seconds(buffer.sum, repeats, CPU)
+
+
+def measure(shape: dict, repeats: int, exllamav3=None) -> dict:
+    """Gweights/s per kernel at 1 and 8 tokens (exllamav3's CPU MoE too when its module is given), bytes/weight."""
     weights_per_forward = shape["experts"] * 3 * shape["hidden"] * shape["intermediate"]
     cpu = random_moe(**shape, host_share=1.0, backend="cpu", device=CPU, dtype=torch.float32)
     torch_ref = random_moe(**shape, host_share=1.0, backend="torch", device=CPU, dtype=torch.float32)
     dense = _dense_moe(cpu.sets, shape)
     glue = rotated_moe(cpu.layer, CPU_MATMUL)  # the compiled matmul inside the rotated torch glue, same experts
-    result = {}
+    result = {"bytes_per_weight": cpu.expert_bytes * shape["experts"] / weights_per_forward}
+    theirs = Exllamav3Layer(exllamav3, cpu.sets, shape["k"], torch.get_num_threads()) if exllamav3 else None
     for tokens in (1, 8):
         gen = torch.Generator().manual_seed(tokens)
         x = torch.randn(tokens, shape["hidden"], generator=gen)
@@ -94,6 +113,9 @@ def measure(shape: dict, repeats: int) -> dict:
             "torch_reference": median_seconds(lambda: torch_ref.kernel.forward(x, weights, ids, False), repeats, CPU),
             "dense_matmul": median_seconds(lambda: dense(x, weights), repeats, CPU),
         }
+        if theirs is not None:
+            x16, weights16 = x.half(), weights.half()
+            seconds["exllamav3"] = median_seconds(lambda: theirs.forward(x16, weights16, ids), repeats, CPU)
         result[f"{tokens}_tokens"] = {f"{name}_gweights_s": weights_per_forward / s / 1e9 for name, s in seconds.items()}
     return result
 
@@ -117,15 +139,38 @@ def run_static(path: Path) -> int:
     return 0
 
 
+def cpu_kernel_report(measured: dict, threads: int, dram_bytes_s: float, skipped: str) -> dict:
+    """Issue #41's CPU kernel keys: the C++ MoE forward's rate at 1/8 tokens, per core, against DRAM and exllamav3."""
+    report = {"cpu_kernel_gweights_s_1tok": measured["1_tokens"]["cpu_moe_gweights_s"],
+              "cpu_kernel_gweights_s_8tok": measured["8_tokens"]["cpu_moe_gweights_s"]}
+    detail = {"kernel": "cpu_moe", "threads": threads, "dram_read_gbytes_s": dram_bytes_s / 1e9,
+              "bytes_per_weight": measured["bytes_per_weight"]}
+    for tokens, suffix in ((1, "1tok"), (8, "8tok")):
+        ours = report[f"cpu_kernel_gweights_s_{suffix}"]
+        detail[f"gweights_s_per_core_{suffix}"] = ours / threads
+        detail[f"dram_fraction_{suffix}"] = ours * 1e9 * measured["bytes_per_weight"] / dram_bytes_s
+        theirs = measured[f"{tokens}_tokens"].pop("exllamav3_gweights_s", None)
+        if theirs is not None:
+            detail[f"exllamav3_gweights_s_{suffix}"] = theirs
+            detail[f"ratio_to_exllamav3_{suffix}"] = ours / theirs
+    if skipped:
+        detail["exllamav3_skipped"] = skipped
+    return {**report, "cpu_kernel": detail}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.static:
         return run_static(args.json)
-    measured = measure(args.shape, args.repeats)
+    exllamav3, skipped = exllamav3_from(args.exllamav3_ext)
+    measured = measure(args.shape, args.repeats, exllamav3)
+    threads = torch.get_num_threads()
+    cpu_kernel = cpu_kernel_report(measured, threads, dram_read_bytes_s(args.dram_mib, args.repeats), skipped)
     report = {
         **measured["1_tokens"],
         "at_8_tokens": measured["8_tokens"],
+        **cpu_kernel,
         "shape": args.shape,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -133,4 +178,6 @@ def run(args: argparse.Namespace) -> int:
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     for label, row in (("1 token", measured["1_tokens"]), ("8 tokens", measured["8_tokens"])):
         print(f"{label}: " + ", ".join(f"{k.removesuffix('_gweights_s')} {v:.3f} Gweights/s" for k, v in row.items()))
+    print("cpu kernel: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in cpu_kernel["cpu_kernel"].items()))
     return 0
