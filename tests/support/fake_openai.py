@@ -38,6 +38,12 @@ def stall_mid_stream(gap_s: float, stall_s: float, burst: int) -> Script:
     return script
 
 
+def alternating(*scripts: Script) -> Script:
+    """Each request takes the next script in turn: one session's turns can then differ."""
+    turn = iter(range(1 << 30))
+    return lambda n: scripts[next(turn) % len(scripts)](n)
+
+
 @dataclass
 class FakeServer:
     script: Script
