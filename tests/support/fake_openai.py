@@ -38,12 +38,19 @@ def stall_mid_stream(gap_s: float, stall_s: float, burst: int) -> Script:
     return script
 
 
+def alternating(*scripts: Script) -> Script:
+    """Each request takes the next script in turn: one session's turns can then differ."""
+    turn = iter(range(1 << 30))
+    return lambda n: scripts[next(turn) % len(scripts)](n)
+
+
 @dataclass
 class FakeServer:
     script: Script
     continuous_usage: bool = True  # honours stream_options.continuous_usage_stats
     logprobs: bool = True  # honours logprobs
     counter_factor: float = 1.0  # /metrics reports generated tokens times this
+    final_usage_extra: int = 0  # the closing usage claims this many tokens more than the chunks carried
     metrics: bool = True  # False: no /metrics page, as on a non-vLLM server
     generated: int = 0
     url: str = ""
@@ -73,8 +80,9 @@ class FakeServer:
                          "text_offset": [0] * tokens} if with_logprobs else None)
             await response.write(self._chunk(" t" * tokens, usage, logprobs))
         if options.get("include_usage"):
-            await response.write(self._chunk("", {"prompt_tokens": prompt_tokens, "completion_tokens": sent,
-                                                  "total_tokens": prompt_tokens + sent}, None))
+            total = sent + self.final_usage_extra
+            await response.write(self._chunk("", {"prompt_tokens": prompt_tokens, "completion_tokens": total,
+                                                  "total_tokens": prompt_tokens + total}, None))
         await response.write(b"data: [DONE]\n\n")
         return response
 

@@ -11,17 +11,17 @@ import json
 
 import pytest
 
-from tests.support.fake_openai import FakeServer, backlog_first, serving, stall_mid_stream, steady
+from tests.support.fake_openai import FakeServer, alternating, backlog_first, serving, stall_mid_stream, steady
 from vllm_expert_offload.cli import main
 
 OUTPUT_TOKENS = 24
 GAP_S = 0.01  # 100 tok/s per stream, the tiny server's steady rate in issue 40
 
 
-def _bench(url: str, tmp_path, capsys, concurrency: str = "1,2") -> tuple[int, dict | None, str]:
+def _bench(url: str, tmp_path, capsys, concurrency: str = "1,2", turns: int = 1) -> tuple[int, dict | None, str]:
     out = tmp_path / "bench.json"
     code = main(["bench", "--url", url, "--concurrency", concurrency, "--output-tokens", str(OUTPUT_TOKENS),
-                 "--prefix-tokens", "40", "--turns", "1", "--ttft-repeats", "1", "--target-tok-s", "20",
+                 "--prefix-tokens", "40", "--turns", str(turns), "--ttft-repeats", "1", "--target-tok-s", "20",
                  "--json", str(out)])
     result = json.loads(out.read_text()) if out.exists() else None
     return code, result, capsys.readouterr()
@@ -33,8 +33,8 @@ def test_steady_stream_reports_its_rate_and_passes_the_server_check(tmp_path, ca
     assert code == 0 and result["settings"]["token_counting"] == "usage"
     for row in result["concurrency"]:
         assert row["failed"] is None and row["merged_chunks"] == 0 and row["chunks"] == row["concurrency"] * 24
-        # sleeps only overshoot: at most the scripted 100 tok/s, and a busy machine halves it at worst
-        assert 50 < row["median_tok_s"] <= 1 / GAP_S * 1.02
+        # sleeps only overshoot: at most the scripted 100 tok/s; a loaded CI machine slows it
+        assert 20 < row["median_tok_s"] <= 1 / GAP_S * 1.02
         assert row["median_end_to_end_tok_s"] < row["median_tok_s"]  # the wait for the first token counts there
         check = row["server_check"]
         assert check["client_tokens"] == check["server_tokens"] == row["concurrency"] * OUTPUT_TOKENS
@@ -54,9 +54,23 @@ def test_backlog_in_the_first_chunk_is_flagged_not_printed_as_a_speed(tmp_path, 
     for row in result["concurrency"]:
         assert row["failed"] is not None and "server generated" in row["failed"]
         assert row["merged_chunks"] == row["concurrency"]
+        # the burst's tokens do not count toward the decode window they arrived before: 12 tokens over 12 gaps
+        assert row["median_tok_s"] <= 12 / (12 * 0.001) * 1.05
         assert row["median_end_to_end_tok_s"] < 1 / GAP_S * 2  # what the user got: 24 tokens in ~0.14 s
     assert result["capacity_at_target"] is None
     assert out.out.count("FAILED, not a result") == 2 and "fell behind" in out.out
+
+
+def test_one_bursty_turn_of_a_session_is_flagged(tmp_path, capsys) -> None:
+    """What the tiny CPU server did at 1 stream (4,339 tok/s per stream printed beside 334 generated): one turn's
+    tokens came as a backlog, the other's steadily. The session's tokens over its decode time look plausible; the
+    median request's rate, the figure printed per stream, does not, and the level is flagged on it."""
+    script = alternating(steady(0.02, GAP_S), backlog_first(0.2, 20, 0.001))
+    with serving(FakeServer(script)) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1", turns=2)
+    (row,) = result["concurrency"]
+    assert code == 0 and row["merged_chunks"] == 1 and row["failed"] is not None
+    assert result["capacity_at_target"] is None
 
 
 def test_a_stall_mid_stream_comes_out_right_with_its_merged_chunk_counted(tmp_path, capsys) -> None:
@@ -66,16 +80,20 @@ def test_a_stall_mid_stream_comes_out_right_with_its_merged_chunk_counted(tmp_pa
     (row,) = result["concurrency"]
     assert code == 0 and row["failed"] is None and row["merged_chunks"] == 1 and row["chunks"] == 13
     # 23 tokens after the first over 11 gaps and the stall: at most 23 / 0.24 s
-    assert 50 < row["median_tok_s"] <= 23 / (11 * GAP_S + 0.13) * 1.02
+    assert 20 < row["median_tok_s"] <= 23 / (11 * GAP_S + 0.13) * 1.02
     assert "1 of 13 chunks carried several tokens" in out.out
 
 
-def test_metrics_counter_below_the_streamed_tokens_fails_the_level(tmp_path, capsys) -> None:
-    with serving(FakeServer(steady(0.02, GAP_S), counter_factor=0.5)) as server:
+@pytest.mark.parametrize("factor", [0.9, 0.5])
+def test_metrics_counter_below_the_streamed_tokens_fails_the_level(tmp_path, capsys, factor: float) -> None:
+    """At 0.9 the summed rate is still within the tolerance: the token count alone fails the level."""
+    with serving(FakeServer(steady(0.02, GAP_S), counter_factor=factor)) as server:
         code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
     (row,) = result["concurrency"]
     assert code == 0 and row["failed"] is not None and result["capacity_at_target"] is None
-    assert row["server_check"]["client_tokens"] == 2 * row["server_check"]["server_tokens"]
+    check = row["server_check"]
+    assert check["server_tokens"] == pytest.approx(factor * check["client_tokens"])
+    assert "FAILED, not a result" in out.out
 
 
 def test_server_without_metrics_is_reported_unchecked(tmp_path, capsys) -> None:
@@ -100,3 +118,10 @@ def test_server_with_neither_continuous_usage_nor_logprobs_is_refused(tmp_path, 
     assert code == 2 and result is None
     lines = [line for line in out.err.splitlines() if line and not line.startswith("requests:")]  # tqdm's bar
     assert len(lines) == 1 and lines[0].startswith("error: ") and "continuous_usage_stats" in lines[0] and "logprobs" in lines[0]
+
+
+def test_chunks_that_disagree_with_the_final_usage_are_refused(tmp_path, capsys) -> None:
+    with serving(FakeServer(steady(0.0, 0.0), final_usage_extra=3)) as server:
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    assert code == 2 and result is None
+    assert "the chunks carried 4 tokens but the final usage says 7" in out.err

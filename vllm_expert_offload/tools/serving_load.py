@@ -134,7 +134,7 @@ async def probe_token_counting(client: AsyncOpenAI, model: str, prompt: str) -> 
 class ServerCheck:
     """The level's per-stream decode rates summed, against the server's own generated-token counter."""
 
-    streams_tok_s: float  # sum over sessions of each session's decode rate
+    streams_tok_s: float  # sessions x the median request's decode rate: the per-stream figure summed
     server_tok_s: float  # vllm:generation_tokens_total's growth over the level's decode time
     server_tokens: float
     client_tokens: int
@@ -265,17 +265,16 @@ class AgentLoad:
 
 
 def server_check(runs: list[list[Timing]], wall_s: float, server_tokens: float) -> ServerCheck:
-    """Sum of the sessions' decode rates against the server's counter over the level's decode time.
+    """The level's printed per-stream figure summed over its streams (sessions x the median request's decode rate)
+    against the server's counter over the level's decode time.
 
-    The decode time is the level's wall time less the median session's wait for single-token first chunks (prefill).
-    A first chunk carrying several tokens means decode steps ran during that wait, so that wait stays in: a stream
-    that got a backlog at once cannot push the server's rate up by the time the backlog hid."""
-    rates, waits = [], []
-    for timings in runs:
-        decode_tokens = sum(t.decode_tokens for t in timings)
-        decode_s = sum(t.decode_s for t in timings)
-        rates.append(decode_tokens / decode_s if decode_s > 0 else 0.0)
-        waits.append(sum(t.ttft_s for t in timings if t.chunk_tokens[0] == 1))
+    The median request, not each session's tokens over its decode time: a session's total hides one request that
+    got its tokens in a burst, and the median request's rate is the figure `bench` prints. The decode time is the
+    level's wall time less the median session's wait for single-token first chunks (prefill). A first chunk carrying
+    several tokens means decode steps ran during that wait, so that wait stays in: a stream that got a backlog at
+    once cannot push the server's rate up by the time the backlog hid."""
+    rates = [t.decode_tok_s for timings in runs for t in timings if t.decode_tok_s is not None]
+    waits = [sum(t.ttft_s for t in timings if t.chunk_tokens[0] == 1) for timings in runs]
     decode_wall = wall_s - float(np.median(waits))
-    return ServerCheck(sum(rates), server_tokens / decode_wall, server_tokens,
-                       sum(t.tokens for timings in runs for t in timings))
+    return ServerCheck(len(runs) * float(np.median(rates)) if rates else 0.0, server_tokens / decode_wall,
+                       server_tokens, sum(t.tokens for timings in runs for t in timings))
