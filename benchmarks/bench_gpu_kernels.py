@@ -123,7 +123,11 @@ class PlacedLayer:
     """One MoE layer's random experts placed in both tiers once (VRAM copies and host-arena records); a host share
     picks, per expert, which copy the pointer tables address (the least popular experts on host)."""
 
-    def __init__(self, shape: dict, k: float, device: torch.device, out: JsonLines) -> None:
+    def __init__(self, shape: dict, k: float, device: torch.device, out: JsonLines,
+                 capture_rows: tuple[int, ...] = ()) -> None:
+        """`capture_rows`: the token counts the rows capture CUDA graphs at (the kernels reserve their workspaces
+        for them and the real top_k: a capture cannot allocate)."""
+        self.capture_rows = tuple(capture_rows)
         gen = torch.Generator(device).manual_seed(0)  # drawn where they are placed: seconds, not minutes, for V4.1
         sizes = {"gate": (shape["hidden"], shape["intermediate"]), "up": (shape["hidden"], shape["intermediate"]),
                  "down": (shape["intermediate"], shape["hidden"])}
@@ -145,9 +149,17 @@ class PlacedLayer:
         placed, scales = stack_scales(placed, self.device)
         arena = self.arena if on_host.any() else None
         tables = build_pointer_tables(placed, kernel_address(arena, self.device), self.device)
-        crop = ExpertCrop(self.shape["hidden"], self.shape["intermediate"], 0)
-        layer = MoELayer(placed, tables, scales, arena, crop, torch.bfloat16, self.device)
+        layer = layer_description(self.shape, self.capture_rows, placed, tables, scales, arena, self.device)
         return build_moe_kernel(KernelChoice(backend, backend, "benchmark"), layer)
+
+
+def layer_description(shape: dict, capture_rows: tuple[int, ...], placed: list, tables: object, scales: object,
+                      arena: HostArena | None, device: torch.device) -> MoELayer:
+    """The MoELayer a row's kernel is built from: the model's top_k and the captured token counts, so the Triton
+    backend reserves workspaces for every graph the rows capture (a capture cannot allocate)."""
+    crop = ExpertCrop(shape["hidden"], shape["intermediate"], 0)
+    return MoELayer(placed, tables, scales, arena, crop, torch.bfloat16, device, top_k=shape["top_k"],
+                    capture_rows=tuple(capture_rows))
 
 
 def host_experts(popularity: np.ndarray, share: float) -> np.ndarray:
@@ -221,7 +233,7 @@ def bench_model(name: str, shape: dict, cfg: dict, popularity: np.ndarray, backe
                 timing: Timing, budget: Budget, out: JsonLines) -> list[tuple]:
     """The graph-replayed rows of one model now; the torch reference's rows returned, to run after everything else."""
     device = timing.clock.device
-    layer = PlacedLayer(shape, cfg["k"], device, out)
+    layer = PlacedLayer(shape, cfg["k"], device, out, capture_rows=cfg["tokens"])
     base = {"row": "moe", "model": name, **shape, "k": cfg["k"], "codebook": "mul1", "dtype": "bfloat16"}
     deferred = []
     for tokens in cfg["tokens"]:

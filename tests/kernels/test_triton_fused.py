@@ -539,3 +539,23 @@ def test_fused_forwards_make_no_host_synchronisation_by_op_name(tokens: int, pre
     with NoHostSync():
         fused.forward(x, weights, ids, False)
         linear.forward(rows)
+
+
+def test_a_shared_expert_linear_and_the_routed_experts_never_take_the_same_workspace() -> None:
+    """Issue 38 item 3: vLLM runs shared experts on aux_stream() (<= 256 tokens) while the routed experts run: any
+    workspace purpose both take is one buffer written by two streams at once. Both dequantizing paths run here."""
+    taken: dict[str, set[str]] = {"moe": set(), "linear": set()}
+    take = WORKSPACES.take
+    _, moe, _ = placed_moe(FULL, _dense_builder(SPLIT))
+    inputs = routing(70, seed=70)
+    linear = _fused_linear(1, **LINEAR_DENSE)
+    for name, forward in (("moe", lambda: moe.forward(*inputs, False)),
+                          ("linear", lambda: linear.forward(torch.randn(70, 144)))):
+        def record(device, purpose, shape, name=name):
+            taken[name].add(purpose)
+            return take(device, purpose, shape)
+
+        with mock.patch.object(WORKSPACES, "take", record):
+            forward()
+    assert WORKSPACE in taken["moe"] and taken["linear"], taken  # both dequantized their weights
+    assert not taken["moe"] & taken["linear"], taken

@@ -166,3 +166,32 @@ def test_model_shapes_are_one_ranks_layer_from_the_carried_configs() -> None:
                                                             "top_k": 8, "tp": 1}
     assert bench_module.model_shape("deepseek_v41_flash", 2) == {"hidden": 5120, "intermediate": 1152,
                                                                  "experts": 384, "top_k": 6, "tp": 2}
+
+
+H200_PROGRAMS = 2 * 132  # fill_target on an H200 (132 SMs): the decode split the lent GPU gets
+
+
+@pytest.mark.parametrize(("model", "ranks"), [("qwen3_30b_a3b", 1), ("deepseek_v41_flash", 2)])
+def test_the_benchs_layers_reserve_every_workspace_its_graph_captures_take(model: str, ranks: int) -> None:
+    """Issue 38 item 1: the rows capture CUDA graphs at 1, 8 and 64 tokens x the model's top_k; a Workspaces.take
+    beyond the reservation raises inside a capture. The reservation is computed from the layer the bench describes
+    (its top_k and capture rows), the need from the forward's own view shapes: no GPU needed."""
+    from vllm_expert_offload.kernels.triton_moe import decode_split, workspace_floats, workspace_shapes
+
+    shape = bench_module.model_shape(model, ranks)
+    tokens = bench_module.FULL["tokens"]
+    layer = bench_module.layer_description(shape, tokens, [], None, None, None, torch.device("cpu"))
+    assert layer.top_k == shape["top_k"] and set(tokens) <= set(layer.capture_rows)
+    dims = (shape["intermediate"], shape["hidden"])
+    split = decode_split(shape["hidden"], *dims, layer.top_k, H200_PROGRAMS)
+    reserved = workspace_floats(layer.top_k, layer.capture_rows, split, *dims)
+    for n in tokens:
+        for purpose, view in workspace_shapes(n, shape["top_k"], split, *dims).items():
+            assert int(np.prod(view)) <= reserved[purpose], (model, n, purpose)
+    # the issue's figures: the defaults (top_k 1, nothing captured) reserve too little for the 8- or 64-token row
+    short = workspace_floats(1, (), decode_split(shape["hidden"], *dims, 1, H200_PROGRAMS), *dims)
+    needs = {n: workspace_shapes(n, shape["top_k"], split, *dims) for n in (8, 64)}
+    if model == "qwen3_30b_a3b":
+        assert (int(np.prod(needs[8]["moe_partial"])), short["moe_partial"]) == (1_572_864, 393_216)
+    else:
+        assert int(np.prod(needs[64]["moe_out"])) == 1_966_080 > short["moe_out"]

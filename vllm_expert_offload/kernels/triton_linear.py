@@ -33,7 +33,7 @@ from .linear import LinearShard
 from .matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME, MIXED_CODEBOOKS, MIXED_RATES, matrix_table, own_addresses
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
-from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
+from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, dequantize
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
                            load_vector_halves, rotate, rotated_pieces, split_for)
 
@@ -174,6 +174,10 @@ def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[i
     return pieces, source
 
 
+# Its own buffer, not triton_dequantize.WORKSPACE: vLLM runs shared experts on aux_stream() for <= 256 tokens,
+# concurrently with the routed experts' DequantizedPrefill; one shared buffer would be written by both (issue 38-3).
+LINEAR_WORKSPACE = "linear_dequantized"
+
 class FusedTritonLinear:
     """Dense shards through `linear_kernel` (and `linear_finish_kernel` when the input is split)."""
 
@@ -214,7 +218,7 @@ class FusedTritonLinear:
                               for s in self.shards]
         self.workspace_elements = max(s.layer.in_features * min(s.layer.out_features, columns)
                                       for s, columns in zip(self.shards, self.chunk_columns))
-        WORKSPACES.reserve(device, WORKSPACE, -(-self.workspace_elements * itemsize // 4))
+        WORKSPACES.reserve(device, LINEAR_WORKSPACE, -(-self.workspace_elements * itemsize // 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W of every shard, concatenated, without bias."""
@@ -242,7 +246,7 @@ class FusedTritonLinear:
         in (`dequantize`), in chunks of its covered columns that fit the workspace; each chunk multiplied by torch's
         matmul, rotated back (`hadamard_last`), ⊙ svh, and its valid columns written into the output; padding rows
         zeroed."""
-        w = WORKSPACES.take(self.device, WORKSPACE, (-(-self.workspace_elements * rows.element_size() // 4),))
+        w = WORKSPACES.take(self.device, LINEAR_WORKSPACE, (-(-self.workspace_elements * rows.element_size() // 4),))
         w = w.view(rows.dtype)
         base = 0
         for shard, table, chunk, scale in zip(self.shards, self.dense_tables, self.chunk_columns, self.input_scales):

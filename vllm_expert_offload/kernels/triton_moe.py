@@ -40,6 +40,8 @@ piece). Without one the kernels are compiled without the copy and cost nothing m
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -339,6 +341,31 @@ _down = register_launch(
 _sum = register_launch("moe_sum_triton", "Tensor y, Tensor ids, Tensor(a!) out", _launch_sum)
 
 
+def decode_split(hidden_in: int, intermediate: int, hidden_out: int, top_k: int, target: int) -> tuple[int, int]:
+    """(gate/up parts, down parts): how many parts each decode kernel splits its input dimension into so that
+    top_k slots' programs reach `target` (fill_target) programs."""
+    return (split_for(hidden_in // PIECE, top_k * -(-intermediate // (2 * PIECE)), target),
+            split_for(intermediate // PIECE, top_k * -(-hidden_out // (2 * PIECE)), target))
+
+
+def workspace_shapes(tokens: int, top_k: int, split: tuple[int, int], intermediate: int,
+                     hidden_out: int) -> dict[str, tuple[int, ...]]:
+    """The workspace views a forward of `tokens` rows takes, by purpose (the decode's split parts up to
+    DECODE_MAX_TOKENS, one part above)."""
+    slots = tokens * top_k
+    gate_parts, down_parts = split if tokens <= DECODE_MAX_TOKENS else (1, 1)
+    return {"moe_partial": (gate_parts, 2, slots, intermediate), "moe_out": (down_parts, slots, hidden_out)}
+
+
+def workspace_floats(top_k: int, capture_rows: tuple[int, ...], split: tuple[int, int], intermediate: int,
+                     hidden_out: int) -> dict[str, int]:
+    """Floats reserved at build, by purpose: enough for every batch up to DECODE_MAX_TOKENS and every captured
+    batch size, so that no take() inside a CUDA-graph capture has to allocate (it raises there)."""
+    rows = (*range(1, DECODE_MAX_TOKENS + 1), *capture_rows)
+    needs = [workspace_shapes(n, top_k, split, intermediate, hidden_out) for n in rows]
+    return {purpose: max(math.prod(need[purpose]) for need in needs) for purpose in needs[0]}
+
+
 class FusedTritonMoE:
     """A MoE layer's routed experts through the three kernels above (see the module docstring)."""
 
@@ -374,15 +401,11 @@ class FusedTritonMoE:
         self.cache = cache
         hidden_out = self.tables["down"].out_features
         if split is None:
-            target = fill_target(device)
-            split = (split_for(self.tables["gate"].in_features // PIECE, top_k * -(-intermediate // (2 * PIECE)),
-                               target),
-                     split_for(intermediate // PIECE, top_k * -(-hidden_out // (2 * PIECE)), target))
+            split = decode_split(self.tables["gate"].in_features, intermediate, hidden_out, top_k,
+                                 fill_target(device))
         self.split = split  # (gate/up parts, down parts) at decode
-        decode_slots = DECODE_MAX_TOKENS * top_k
-        slots = max(max(capture_rows, default=0) * top_k, decode_slots)
-        WORKSPACES.reserve(device, "moe_partial", max(split[0] * decode_slots, slots) * 2 * intermediate)
-        WORKSPACES.reserve(device, "moe_out", max(split[1] * decode_slots, slots) * hidden_out)
+        for purpose, floats in workspace_floats(top_k, capture_rows, split, intermediate, hidden_out).items():
+            WORKSPACES.reserve(device, purpose, floats)
         self.prefill = DequantizedPrefill(self.tables, scales, dtype, device, self.keep_channels, swiglu_limit,
                                           dequant_min_rows, dequant_workspace_bytes)
 
@@ -401,10 +424,8 @@ class FusedTritonMoE:
     ) -> torch.Tensor:
         """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
         tokens, top_k = topk_ids.shape
-        slots = tokens * top_k
         if x.stride(1) != 1:
             x = x.contiguous()
-        gate_parts, down_parts = self.split if tokens <= DECODE_MAX_TOKENS else (1, 1)
         dedup = tokens <= DEDUP_MAX_TOKENS
         dense = not dedup and tokens >= self.prefill.min_rows  # an expert may have enough slots to be dequantized
         counts = None
@@ -418,8 +439,8 @@ class FusedTritonMoE:
         gate, up, down = (self.tables[p] for p in PROJECTIONS)
         # The cache decides first; the launches read through the old tables and write its fills.
         fill = self.cache.begin(topk_ids) if self.cache is not None else (self.fill or {})
-        partial = WORKSPACES.take(self.device, "moe_partial", (gate_parts, 2, slots, gate.out_features))
-        y = WORKSPACES.take(self.device, "moe_out", (down_parts, slots, down.out_features))
+        shapes = workspace_shapes(tokens, top_k, self.split, gate.out_features, down.out_features)
+        partial, y = (WORKSPACES.take(self.device, purpose, shape) for purpose, shape in shapes.items())
         out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
         routing = (topk_weights, topk_ids, row_ids, block_matrix)
         flags = (dedup, apply_router_weight_on_input, self.dot_fp16)

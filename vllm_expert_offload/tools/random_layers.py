@@ -43,9 +43,11 @@ class RandomMoE:
 
 def random_moe(
     hidden: int, intermediate: int, experts: int, k: float, host_share: float, backend: str, device: torch.device,
-    dtype: torch.dtype = torch.float16, seed: int = 0,
+    dtype: torch.dtype = torch.float16, seed: int = 0, top_k: int = 1, capture_rows: tuple[int, ...] = (),
 ) -> RandomMoE:
-    """One layer whose last `host_share` of experts sit in a host arena, computed by `backend`."""
+    """One layer whose last `host_share` of experts sit in a host arena, computed by `backend`; `top_k` and
+    `capture_rows` as the caller will route and capture CUDA graphs (the kernels reserve their workspaces for
+    them: a capture with more experts per token or more rows than reserved raises)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
     sets = [{p: random_linear(gen, *shapes[p], k) for p in PROJECTIONS} for _ in range(experts)]
@@ -56,7 +58,8 @@ def random_moe(
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, gpu_tier)]
     placed, scales = stack_scales(placed, device)
     tables = build_pointer_tables(placed, kernel_address(arena, device), device)
-    layer = MoELayer(placed, tables, scales, arena, ExpertCrop(hidden, intermediate, 0), dtype, device)
+    layer = MoELayer(placed, tables, scales, arena, ExpertCrop(hidden, intermediate, 0), dtype, device, top_k=top_k,
+                     capture_rows=tuple(capture_rows))
     kernel = build_moe_kernel(KernelChoice(backend, backend, "benchmark"), layer)
     expert_bytes = sum(sets[0][p].nbytes() for p in PROJECTIONS)
     return RandomMoE(kernel, sets, torch.tensor(gpu_tier), expert_bytes, layer)
