@@ -92,3 +92,26 @@ def test_experts_stored_in_a_dense_layer_refused(valid_model: Path, tmp_path: Pa
     with pytest.raises(Exl3FormatError, match=r"model\.layers\.0\.mlp\.experts\.\d+\..*unexpected tensor "
                                               r"\(layer 0 has experts 0\.\.7 and is not an MoE layer\)"):
         validate_checkpoint(Exl3Checkpoint.open(broken))
+
+
+def _to_mcg(t: dict) -> None:
+    """Expert 5's down projection re-marked MCG: the same K (its trellis is untouched), another codebook."""
+    t.pop(f"{EXPERT}.down_proj.mul1")
+    t[f"{EXPERT}.down_proj.mcg"] = torch.tensor(MCG_MARKER, dtype=torch.int32)
+
+
+def test_the_wrong_codebook_at_the_declared_k_is_refused_by_tensor(valid_model: Path, tmp_path: Path) -> None:
+    """The pack declares mul1 (quantization_config.codebook); one set's marker says mcg at the same K=3."""
+    broken = _broken(valid_model, tmp_path, _to_mcg)
+    with pytest.raises(Exl3FormatError, match=rf"{EXPERT}\.down_proj: its tensors say codebook 'mcg', but "
+                                              r"quantization_config\.codebook declares 'mul1'"):
+        validate_checkpoint(Exl3Checkpoint.open(broken))
+
+
+def test_a_declared_codebook_no_tensor_has_is_refused(valid_model: Path, tmp_path: Path) -> None:
+    broken = edited_checkpoint(valid_model, tmp_path / "broken", quant=lambda q: q.update(codebook="3inst"))
+    with pytest.raises(Exl3FormatError, match=r"its tensors say codebook 'mul1', but quantization_config\.codebook "
+                                              r"declares '3inst'"):
+        validate_checkpoint(Exl3Checkpoint.open(broken))
+    undeclared = edited_checkpoint(valid_model, tmp_path / "undeclared", quant=lambda q: q.pop("codebook"))
+    validate_checkpoint(Exl3Checkpoint.open(undeclared))  # without a declaration each set's marker decides

@@ -14,6 +14,7 @@ from vllm_expert_offload.kv.rules import (
     KVBlockLayoutError,
     Member,
     check_block_sizes,
+    kernel_block_sizes,
     resolve_block_sizes,
 )
 
@@ -118,3 +119,13 @@ def test_dsv41_sm120_ratio_groups_get_64_states(requested: int) -> None:
                                                  r"\(FLASHINFER_MLA_SPARSE_DSV41 takes \[64\];.* sizes that would "
                                                  r"work: none"):
         resolve_block_sizes([both])
+
+
+@pytest.mark.parametrize(("ratio", "size", "fits"), [(3, 6, True), (3, 4, False), (3, 9, True), (12, 18, False),
+                                                     (12, 24, True), (6, 8, False), (5, 5, True)])
+def test_a_compressed_cache_takes_only_whole_multiples_of_a_ratio_that_is_no_power_of_two(ratio, size, fits) -> None:
+    """Every fixture ratio (1, 2, 4, 128) is a power of two, where "at least the ratio" and "a multiple of it"
+    agree on every power-of-two block; ratios 3, 5, 6 and 12 tell them apart (a 4-token block of a ratio-3 cache
+    leaves a token no page stores)."""
+    group = GroupFacts("c", (Member(BackendSizes("ANY", multiple_of=(1,)), ratio),), size)
+    assert (kernel_block_sizes(group, size) is not None) is fits

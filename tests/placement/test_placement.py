@@ -14,6 +14,7 @@ import pytest
 from vllm_expert_offload.placement import (
     DecodeCostModel,
     Ledger,
+    PlacementError,
     ModelIdentity,
     RoutingCounts,
     RoutingTrace,
@@ -428,3 +429,20 @@ def test_generated_routing_is_skewed_and_planning_on_it_pays():
     assert gpu_share(informed) > 0.55 and gpu_share(countless) < 0.35  # a quarter of the bytes: ~0.25 blind
     assert np.array_equal(synthetic_routing(seed=3, layers=8, experts=64, segment_tokens=(200,) * 8).trace.expert_ids,
                           trace.expert_ids)  # fixed seed: the same data on every machine
+
+
+def test_ledger_host_rows_are_node_totals_over_three_ranks_and_device_rows_one_ranks():
+    """Each of 3 tensor-parallel ranks pins its own share of every host-tier expert: the node holds 3 times one
+    rank's host bytes (experts and their alignment); the node's other pinned memory is counted once, and the
+    device rows stay one GPU's. (No fixture builds a ledger with more than one rank; 3 is no power of two.)"""
+    sizes = np.full((2, 4), 5000)  # one rank's share of each expert; host records pad to 8192
+    plan = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)
+    one = ledger_for(plan, sizes)
+    three = Ledger.from_plan(plan, sizes, non_expert_bytes=10_000, kv_cache_bytes=20_000, workspace_bytes=3_000,
+                             headroom_bytes=1_000, ranks=3, host_bytes={"engram table": 777})
+    host = {r.item: r.nbytes for r in three.rows() if r.tier == "host"}
+    assert host["host-tier experts"] == 3 * 5 * 5000 and host["arena alignment"] == 3 * 5 * 3192
+    assert host["engram table"] == 777 and three.host_bytes == 3 * 5 * 8192 + 777
+    assert three.device_bytes == one.device_bytes and three.host_experts == one.host_experts == 5
+    with pytest.raises(PlacementError, match="ranks must be a positive integer"):
+        Ledger.from_plan(plan, sizes, non_expert_bytes=0, kv_cache_bytes=0, ranks=0)

@@ -86,19 +86,45 @@ def source_name(name: str) -> str:
     return re.sub(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
 
 
+# transformers' DeepseekV4Config defaults (`default_compress_rates`), which vLLM 0.33 reads the config through.
+DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_LEGACY_RATE_KEYS = {"compress_rate_csa": "compressed_sparse_attention", "compress_rate_hca": "heavily_compressed_attention"}
+# vLLM 0.33's DeepSeek-V4 compressor takes these rates only (models/deepseek_v4/compressor.py asserts it).
+SERVED_COMPRESS_RATES = (4, 128)
+
+
+def compress_ratios(hf_config: Mapping[str, Any]) -> list[int]:
+    """Per-layer KV compression rates, draft (`mtp`) layers included, as vLLM reads them: 0.32's (and V4.1's)
+    explicit `compress_ratios`; else 0.33's `layer_types` mapped through `compress_rates` (transformers' defaults,
+    its legacy `compress_rate_csa` / `compress_rate_hca` folded in), with draft layers sliding-window (0) as
+    vLLM's `get_compress_ratios` appends them. A rate vLLM's V4 compressor cannot take is refused by key."""
+    explicit = hf_config.get("compress_ratios")
+    if explicit is not None:
+        return [int(r) for r in explicit]
+    types = hf_config.get("layer_types")
+    if types is None:
+        raise Exl3FormatError("config.json: DeepSeek-V4 needs compress_ratios, or layer_types (with compress_rates)")
+    rates = {**DEFAULT_COMPRESS_RATES, **(hf_config.get("compress_rates") or {})}
+    rates |= {rates_key: int(hf_config[key]) for key, rates_key in _LEGACY_RATE_KEYS.items() if key in hf_config}
+    for name, rate in rates.items():
+        if int(rate) not in SERVED_COMPRESS_RATES:
+            raise Exl3FormatError(f"config.json: compress_rates[{name!r}] = {rate}; vLLM's DeepSeek-V4 compressor "
+                                  f"takes {list(SERVED_COMPRESS_RATES)} only")
+    unknown = sorted({t for t in types if t != "sliding_attention" and t not in rates})
+    if unknown:
+        raise Exl3FormatError(f"config.json: layer_types has {unknown}, which compress_rates does not name")
+    main = types[: _int(hf_config, "num_hidden_layers")]
+    return [0 if t == "sliding_attention" else int(rates[t]) for t in main] + \
+        [0] * int(hf_config.get("num_nextn_predict_layers") or 0)
+
+
 def compress_ratio(hf_config: Mapping[str, Any], layer: int) -> int:
-    """The layer's KV compression ratio (0 sliding window, 4 CSA with indexer, 128 HCA); draft (`mtp`) layers
-    follow the main stack in `compress_ratios`."""
-    ratios = hf_config.get("compress_ratios")
-    if ratios is None:
-        types = hf_config.get("layer_types")
-        if types is None:
-            raise Exl3FormatError("config.json: DeepSeek-V4 needs compress_ratios (or layer_types)")
-        rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-        ratios = [rates[t] for t in types]
+    """The layer's KV compression rate (0 sliding window, 4 CSA with indexer, 128 HCA); draft (`mtp`) layers are
+    numbered after the main stack (`compress_ratios`)."""
+    ratios = compress_ratios(hf_config)
     if layer >= len(ratios):
         raise Exl3FormatError(f"config.json: compress_ratios has no entry for layer {layer}")
-    return int(ratios[layer])
+    return ratios[layer]
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:

@@ -14,7 +14,8 @@ import torch
 
 from .checkpoint import Exl3Checkpoint
 from .contract import MixedContract
-from .contract_check import check_contract, not_served_reason
+from .codebook import Codebook
+from .contract_check import check_contract, dense_exl3_shards, not_served_reason
 from .engram import EngramTable
 from .errors import Exl3FormatError
 from .naming import PROJECTIONS, MoeLayout, moe_layout
@@ -69,6 +70,20 @@ def _header_linears(ckpt: Exl3Checkpoint) -> dict[str, Exl3Linear]:
         }
         linears[prefix] = parse_linear(tensors, prefix)
     return linears
+
+
+def _check_codebook(declared: Codebook | None, linears: dict[str, Exl3Linear], contract: MixedContract | None) -> None:
+    """A declared `quantization_config.codebook` is what every tensor set's marker says (no marker: 3INST); the
+    modules of a mixed pack's non_routed_exl3 answer to that key's own codebook (contract_check.py). Kernels
+    decode by the marker, so a declaration that disagrees means a pack built or edited wrong, and every reader
+    of the declaration (inspect, plan, a backend's choice) would be misled by it."""
+    if declared is None:
+        return
+    own = set(dense_exl3_shards(contract)) if contract is not None else set()
+    for prefix, lin in linears.items():
+        if prefix not in own and lin.codebook is not declared:
+            raise Exl3FormatError(f"{prefix}: its tensors say codebook {lin.codebook.value!r}, but "
+                                  f"quantization_config.codebook declares {declared.value!r}")
 
 
 def _check_uniform(layout: MoeLayout, linears: dict[str, Exl3Linear], layer: int, projection: str) -> None:
@@ -135,6 +150,7 @@ def validate_checkpoint(ckpt: Exl3Checkpoint, *, uniform_expert_k: bool = False)
     if layout is not None:
         _check_expert_names(layout, list(ckpt.tensor_files), contract)
     linears = _header_linears(ckpt)
+    _check_codebook(ckpt.quant_config.codebook, linears, contract)
     checked = None if contract is None else check_contract(contract, layout, ckpt.header_shapes(), linears,
                                                            ckpt.hf_config)
     expert_bytes = _check_experts(layout, linears, uniform_expert_k) if layout else {}
