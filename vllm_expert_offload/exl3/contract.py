@@ -24,7 +24,7 @@ DTYPE_POLICIES = (BF16_AS_STORED,)
 MTP_EXPERTS = ("exl3", "source")
 # Top-level copies of the delegate's block size and expert dtype: the published DeepSeek-V4.1 packs carry them
 # because vLLM's V4.1 model reads `quant_config.weight_block_size` before any layer asks for its method, and its
-# config class copies a top-level `expert_dtype` onto the HF config (see /work/notes/seeds-contract.md §1).
+# config class copies a top-level `expert_dtype` onto the HF config (docs/models.md, the V4.1 contract).
 DELEGATE_MIRRORS = ("weight_block_size", "expert_dtype")
 CONTRACT_KEYS = frozenset(
     {

@@ -1,7 +1,8 @@
 """Reference MoE kernel over per-expert pointer tables (any device torch runs on).
 
-It reads every trellis through its table entry, exactly as exllamav3's expert kernels do on a GPU.
-On a CPU this is the production path, with the tiers keeping their meaning: GPU-tier experts are read
+It reads every trellis through its table entry, exactly as exllamav3's expert kernels do on a GPU. It is what
+every backend is tested against, and what the oracle falls back to where no compiled kernel can run (oracle.py; on
+a CPU the compiled kernel, cpu_exl3.py, is the serving path). The tiers keep their meaning: GPU-tier experts are read
 through the table once at load and kept decoded (fast memory), host-tier experts are read through the
 table and decoded on every use, just as on a GPU each use costs a PCIe read. On CUDA nothing is kept
 decoded: that would hold dense weights in exactly the memory placement is meant to free.

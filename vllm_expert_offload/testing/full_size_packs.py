@@ -25,10 +25,10 @@ from typing import Any
 from ..exl3.checkpoint import DTYPE_BYTES
 from ..exl3.codebook import Codebook
 from ..exl3.engram import EngramFormat
+from ..units import GIB
 from .dsv41_pack import V41_FLASH_TEXT, V41_FLASH_VISION, TensorSpec, pack_config, pack_tensors, published_contract
 
 SHARD_BYTES = 5 * 10**9  # the published packs' shard size order; any size gives the same tensors
-GIB = 1 << 30
 MARKERS = {"mcg": Codebook.MCG, "mul1": Codebook.MUL1}
 
 

@@ -28,7 +28,6 @@ from .dsv41_pack import FP8_BLOCK, V41_FLASH_TEXT, TensorSpec, pack_config, pack
 from .tiny_models import cached_fixture
 
 FP8_MAX = 448.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
 WEIGHT_STD = 0.05
 
 
@@ -92,19 +91,6 @@ def quantize_fp8_ue8m0(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     q = (tiles / scale[:, None, :, None]).reshape(rows * block[0], cols * block[1])[:out_f, :in_f]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.to(torch.float8_e8m0fnu).contiguous()
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
-    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return weight.float() * full[: weight.shape[0], : weight.shape[1]]
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float values of an MXFP4 weight (I8 [out, in/2] + E8M0 [out, in/32])."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
-    codes = packed.view(torch.uint8).long()
-    values = table[torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)]
-    return values * scale.float().repeat_interleave(32, dim=-1)
 
 
 def _fill(spec: TensorSpec, gen: torch.Generator, tensors: dict[str, torch.Tensor], bits_of: Mapping[str, int]) -> None:

@@ -14,8 +14,7 @@ from ..exl3.checkpoint import DTYPE_BYTES, Exl3Checkpoint, split_name
 from ..exl3.errors import Exl3FormatError
 from ..exl3.naming import PROJECTIONS
 from ..exl3.validate import CheckpointSummary, validate_checkpoint
-
-MIB = 1 << 20
+from ..units import MIB
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

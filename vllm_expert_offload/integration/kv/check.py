@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...kv.kernel_pages import PageCheck, check_page
 from ...kv.rules import KVBlockLayoutError
+from ...units import GIB
 from . import declarations
 from .facts import layer_spec
 from .fix import ENV_SWITCH, fix_enabled, install
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.worker.utils import AttentionGroup
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import functools
 from collections.abc import Callable
 
 from ...errors import ExpertOffloadError
+from ...units import GIB
 from ..patching import Hook, require_checked_version
-
-GIB = 1 << 30
 
 
 class CrashLineError(ExpertOffloadError, RuntimeError):
