@@ -87,7 +87,9 @@ def _read_chunks(table_ptr, out_ptr, chunk_words, parts, BLOCK: tl.constexpr, ST
     """XOR of every word of chunk `program_id(0)`'s part `program_id(1)` (its address read from the table); chunks
     on the first grid axis, which holds 2^31 - 1 programs (the others hold 65535)."""
     chunk, part = tl.program_id(0), tl.program_id(1)
-    base = tl.load(table_ptr + chunk).to(tl.pointer_type(tl.int32))
+    # The table's chunk addresses are 16-byte aligned (_chunk_table checks it); without the hint Triton cannot know a
+    # loaded pointer's alignment and compiles every read to 4-byte loads (ld.global.b32 instead of .v4.b32)
+    base = tl.multiple_of(tl.load(table_ptr + chunk).to(tl.pointer_type(tl.int32)), 16)
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for step in range(STEPS):
         offs = (part * STEPS + step) * BLOCK + tl.arange(0, BLOCK)
@@ -194,7 +196,11 @@ def _chunk_table(base: Callable[[int], int], region: int, read_bytes: int, chunk
     slots = max(region // read_bytes, 1)
     step = max(slots // chunks, 1)
     picks = [((i * step + rotation) % slots) * read_bytes for i in range(chunks)]
-    return torch.tensor([base(p) for p in picks], dtype=torch.int64, device=device)
+    addresses = [base(p) for p in picks]
+    if any(address % 16 for address in addresses):
+        raise ValueError(f"_read_chunks reads 16-byte vectors: chunk addresses must be 16-byte aligned "
+                         f"(region base {base(0):#x}, read size {read_bytes})")
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
 
 
 def probe_reads(tier: str, base: Callable[[int], int], region: int, shape: dict, clock: Clock, out: JsonLines,

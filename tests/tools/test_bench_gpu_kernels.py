@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,3 +197,39 @@ def test_the_benchs_layers_reserve_every_workspace_its_graph_captures_take(model
         assert (int(np.prod(needs[8]["moe_partial"])), short["moe_partial"]) == (1_572_864, 393_216)
     else:
         assert int(np.prod(needs[64]["moe_out"])) == 1_966_080 > short["moe_out"]
+
+
+_READ_PROBE_LOADS = """
+import collections, importlib.util, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("probe", sys.argv[1])
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+signature = {"table_ptr": "*i64", "out_ptr": "*i32", "chunk_words": "i32", "parts": "i32", "BLOCK": "constexpr",
+             "STEPS": "constexpr"}
+source = ASTSource(fn=probe._read_chunks, signature=signature, constexprs={"BLOCK": 1024, "STEPS": 4},
+                   attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+print(json.dumps(collections.Counter(re.findall(r"ld[.]global(?:[.]\\w+)*", ptx))))
+"""
+
+
+def test_the_read_probe_compiles_to_16_byte_loads() -> None:
+    """The probe's chunk pointers come from a table, so Triton knows nothing of their alignment unless told: without
+    `tl.multiple_of` every read compiled to `ld.global.b32`, and the rooflines by read size measured 4-byte loads.
+    Compiled for sm_90 (no GPU) in a child without the interpreter, as the launch specialises it (table, output and
+    word count 16-divisible)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", _READ_PROBE_LOADS, str(REPO / "benchmarks" / "gpu_bandwidth_probe.py")],
+                           capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert child.returncode == 0, child.stderr[-2000:]
+    loads = json.loads(child.stdout.strip().splitlines()[-1])
+    # the chunk's address from the table, then 1024 words x 4 steps over 128 lanes in 16-byte vectors
+    assert loads == {"ld.global.b64": 1, "ld.global.v4.b32": 8}, loads
+
+
+def test_a_misaligned_chunk_table_is_refused() -> None:
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        probe_module._chunk_table(lambda offset: 0x1004 + offset, 1 << 16, 4096, 4, 0, torch.device("cpu"))
