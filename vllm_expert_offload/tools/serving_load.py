@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 from openai import AsyncOpenAI
 from openai.types import Completion
+from prometheus_client.parser import text_string_to_metric_families
 
 from .errors import ToolInputError, ToolRunError
 
@@ -158,8 +159,8 @@ async def generated_tokens(base_url: str) -> float | None:
         response = await http.get(f"{base_url}/metrics")
     if response.status_code != 200:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-              if line.startswith(GENERATION_COUNTER + "{") or line.startswith(GENERATION_COUNTER + " ")]
+    values = [sample.value for family in text_string_to_metric_families(response.text)
+              for sample in family.samples if sample.name == GENERATION_COUNTER]
     return sum(values) if values else None
 
 
