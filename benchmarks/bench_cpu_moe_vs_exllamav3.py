@@ -28,28 +28,32 @@ from vllm_expert_offload.tools.exllamav3_cpu import Exllamav3Layer, build_exllam
 from vllm_expert_offload.tools.random_layers import median_seconds, random_moe
 
 CPU = torch.device("cpu")
-def measure(module, shape: dict, k: int, tokens: int, repeats: int, threads: int) -> dict:
-    """Gweights/s of ours (and exllamav3's when `module`) for one K and token count, same inputs."""
+def measure(module, shape: dict, k: int, repeats: int, threads: int) -> list[dict]:
+    """Gweights/s of ours (and exllamav3's when `module`) for one K at 1 and 8 tokens, same layer and inputs."""
     moe = random_moe(**shape, k=k, host_share=1.0, backend="cpu", device=CPU, dtype=torch.float32)
+    layer = Exllamav3Layer(module, moe.sets, k, threads) if module is not None else None
     weights_per_forward = shape["experts"] * 3 * shape["hidden"] * shape["intermediate"]
-    gen = torch.Generator().manual_seed(tokens)
-    # fp16-representable inputs, so both kernels see the same numbers
-    x = torch.randn(tokens, shape["hidden"], generator=gen).half()
-    ids = torch.arange(shape["experts"]).repeat(tokens, 1)
-    weights = torch.rand(tokens, shape["experts"], generator=gen).half()
-    ours = moe.kernel.forward(x.float(), weights.float(), ids, False)
-    row = {"k": k, "tokens": tokens,
-           "ours": weights_per_forward / median_seconds(
-               lambda: moe.kernel.forward(x.float(), weights.float(), ids, False), repeats, CPU) / 1e9}
-    if module is not None:
-        layer = Exllamav3Layer(module, moe.sets, k, threads)
-        theirs = layer.forward(x, weights, ids)
-        row["exllamav3"] = weights_per_forward / median_seconds(
-            lambda: layer.forward(x, weights, ids), repeats, CPU) / 1e9
-        row["ratio"] = row["ours"] / row["exllamav3"]
-        row["max_rel_diff"] = float((ours - theirs).abs().max() / theirs.abs().max())
+    rows = []
+    for tokens in (1, 8):
+        gen = torch.Generator().manual_seed(tokens)
+        # fp16-representable inputs, so both kernels see the same numbers
+        x = torch.randn(tokens, shape["hidden"], generator=gen).half()
+        ids = torch.arange(shape["experts"]).repeat(tokens, 1)
+        weights = torch.rand(tokens, shape["experts"], generator=gen).half()
+        ours = moe.kernel.forward(x.float(), weights.float(), ids, False)
+        row = {"k": k, "tokens": tokens,
+               "ours": weights_per_forward / median_seconds(
+                   lambda: moe.kernel.forward(x.float(), weights.float(), ids, False), repeats, CPU) / 1e9}
+        if layer is not None:
+            theirs = layer.forward(x, weights, ids)
+            row["exllamav3"] = weights_per_forward / median_seconds(
+                lambda: layer.forward(x, weights, ids), repeats, CPU) / 1e9
+            row["ratio"] = row["ours"] / row["exllamav3"]
+            row["max_rel_diff"] = float((ours - theirs).abs().max() / theirs.abs().max())
+        rows.append(row)
+    if layer is not None:
         module.free_layer(layer.handle)
-    return row
+    return rows
 
 
 def main() -> int:
@@ -72,13 +76,12 @@ def main() -> int:
     print(f"{'K':>2} {'tok':>3} {'ours':>8} {'exl3':>8} {'ratio':>6} {'rel.diff':>9}  (Gweights/s)")
     rows = []
     for k in args.ks:
-        for tokens in (1, 8):
-            row = measure(module, shape, k, tokens, args.repeats, threads)
+        for row in measure(module, shape, k, args.repeats, threads):
             rows.append(row)
             if module is None:
-                print(f"{k:>2} {tokens:>3} {row['ours']:8.3f} {'-':>8} {'-':>6} {'-':>9}")
+                print(f"{k:>2} {row['tokens']:>3} {row['ours']:8.3f} {'-':>8} {'-':>6} {'-':>9}")
             else:
-                print(f"{k:>2} {tokens:>3} {row['ours']:8.3f} {row['exllamav3']:8.3f} {row['ratio']:6.2f} "
+                print(f"{k:>2} {row['tokens']:>3} {row['ours']:8.3f} {row['exllamav3']:8.3f} {row['ratio']:6.2f} "
                       f"{row['max_rel_diff']:9.2e}")
     if args.json:
         args.json.write_text(json.dumps({"threads": threads, "shape": shape, "exllamav3_skipped": reason,
