@@ -5,7 +5,6 @@ sums deterministic, the whole forward free of host synchronisation on meta, and 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -158,9 +157,9 @@ def test_a_layers_forward_with_the_tier_on_runs_with_every_tensor_on_meta(split:
                              None, layer.tables.in_gpu_tier, counters, 0),
     )
     assert forward_on_meta(runtime.forward, *meta_routing(3, 2, HIDDEN)).shape == (3, HIDDEN)
-    assert len(order.launches) == 1 and counters.counts[0, tier_counters.CPU_READS].device == META
+    assert len(order.launches) == 2 and counters.counts[0, tier_counters.CPU_READS].device == META
     forward_on_meta(runtime.forward, *meta_routing(MAX_TOKENS + 1, 2, HIDDEN))  # above max_tokens: no job
-    assert len(order.launches) == 1
+    assert len(order.launches) == 2
 
 
 def test_probe_measures_each_count_within_its_budget() -> None:
@@ -176,10 +175,8 @@ def test_probe_measures_each_count_within_its_budget() -> None:
     assert [n for n, _ in cut.cpu_points] == [1]
 
 
-def test_a_tier_off_the_cpu_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(BackendUnavailable, match=r"expert_offload\.cpu_tier: on cuda"):
-        build_host_tier(MoELayer([], None, None, None, FULL, torch.float32, torch.device("cuda")), False, print)
-    monkeypatch.setattr(host_tier, "CPU_BACKEND", dataclasses.replace(CPU_BACKEND, unavailable=lambda d: "no compiler"))
+def test_a_tier_without_the_compiled_kernel_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_tier, "cpu_kernel_unavailable", lambda: "no compiler")
     with pytest.raises(BackendUnavailable, match=r"expert_offload\.cpu_tier: the CPU tier computes with the "
                                                  r"compiled CPU kernel, which cannot here: no compiler"):
         build_host_tier(_layer(), False, print)

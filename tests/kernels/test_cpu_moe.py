@@ -15,7 +15,7 @@ import torch
 from vllm_expert_offload.exl3 import parse_linear
 from vllm_expert_offload.kernels import cpu_exl3
 from vllm_expert_offload.kernels.contract import ExpertCrop
-from vllm_expert_offload.kernels.cpu_moe import CpuMoE, abi
+from vllm_expert_offload.kernels.cpu_moe import CpuMoE, Exl3MoeJob, abi
 from vllm_expert_offload.kernels.matrix_table import CODEBOOK_IDS
 
 from support import exl3_reference as ref
@@ -108,26 +108,19 @@ def test_bad_ids_are_refused_by_value(extension) -> None:
     kernel.forward(x, weights, ids)  # the layer is usable after a refused job
 
 
-class _Job(ctypes.Structure):
-    _fields_ = [("layer", ctypes.c_void_p), ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64),
-                ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("tokens", ctypes.c_int64),
-                ("top_k", ctypes.c_int64), ("route_on_input", ctypes.c_int32), ("out", ctypes.c_void_p),
-                ("out_stride", ctypes.c_int64), ("state", ctypes.c_int32), ("error", ctypes.c_char * 240)]
-
-
 def test_c_abi_submit_wait_matches_forward_and_refuses_a_second_job(extension) -> None:
     _, kernel, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), seed=4)
     submit_address, wait_address, size = abi()
-    assert size == ctypes.sizeof(_Job)
-    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Job))
+    assert size == ctypes.sizeof(Exl3MoeJob)
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Exl3MoeJob))
     submit, wait = prototype(submit_address), prototype(wait_address)
     x, weights, ids = routing(6, seed=9)
     ids32 = ids.to(torch.int32).contiguous()
     out = torch.full((6, HIDDEN), float("nan"))
-    job = _Job(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
+    job = Exl3MoeJob(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
                HIDDEN)
     assert submit(ctypes.byref(job)) == 0
-    second = _Job(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
+    second = Exl3MoeJob(kernel.handle, x.data_ptr(), HIDDEN, ids32.data_ptr(), weights.data_ptr(), 6, 2, 0, out.data_ptr(),
                   HIDDEN)
     refused = submit(ctypes.byref(second))
     assert wait(ctypes.byref(job)) == 0 and job.state == 1

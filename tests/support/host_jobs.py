@@ -4,6 +4,7 @@ its C function pointer at once, and a layer's job whose buffers live on `meta` f
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
@@ -35,14 +36,14 @@ class InlineOrder:
         self.joins += 1
 
 
-def job(tier, busy: list[float] | None = None, host: torch.device = CPU,
+def job(kernel, busy: list[float] | None = None, host: torch.device = CPU,
         name: str = "model.layers.3.mlp.experts") -> HostJob:
-    """A layer's job of up to MAX_TOKENS tokens, top-k 2, fp32; `busy` collects each run's seconds."""
-    return HostJob(name, tier, MAX_TOKENS, 2, HIDDEN, torch.float32, False,
-                   (busy if busy is not None else []).append, host)
+    """A layer's job of up to MAX_TOKENS tokens, top-k 2, on `kernel` (a CpuMoE); `busy` collects the seconds
+    each forward reports."""
+    return HostJob(name, kernel, MAX_TOKENS, 2, HIDDEN, False, (busy if busy is not None else []).append, host)
 
 
 def meta_tier() -> tuple[StreamHostTier, InlineOrder]:
     """A stream tier whose staging buffers are on meta, with the order that records its launches."""
     order = InlineOrder(call=False)  # on meta the job is queued, never run: its buffers hold no data
-    return StreamHostTier(job(None, host=META), order), order
+    return StreamHostTier(job(SimpleNamespace(handle=0), host=META), order), order

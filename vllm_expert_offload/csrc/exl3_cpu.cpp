@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -318,6 +319,53 @@ void exl3_moe_matmul(const at::Tensor& a, int64_t trellis, int64_t twice_k, int6
   for (int64_t b = 0; b < blocks; ++b) moe::tile_matmul(args, b, 0, size_n / 16);
 }
 
+// A CUDA stream's view of a job (the CPU tier on a GPU, kernels/stream_host_tier.py): host functions of the
+// cudaHostFn_t signature, void(void*), queued with cudaLaunchHostFunc, host_submit then host_wait, on a
+// Exl3MoeHostJob whose rows are fixed at capture. A host function cannot report an error to CUDA, and a CUDA
+// graph replays without running any Python that could check a flag, so a failed job stops the process with the
+// layer named on stderr: serving the layer without these experts' sums would be a silent wrong answer.
+extern "C" {
+struct Exl3MoeHostJob {
+  Exl3MoeJob job;
+  int64_t begun_ns;  // set by host_submit (steady clock)
+  int64_t busy_ns;   // host_submit to the end of host_wait, summed over this struct's jobs (the tier's busy time)
+  char name[120];    // the layer, for the message of a failed job
+};
+}
+
+namespace {
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+[[noreturn]] void host_job_failed(const Exl3MoeHostJob& host) {
+  std::fprintf(stderr,
+               "vllm-expert-offload: %s: the CPU tier's host job failed: %s. A CUDA host function cannot report "
+               "an error, and the layer's sum would be wrong without it: stopping the process.\n",
+               host.name, host.job.error);
+  std::fflush(stderr);
+  std::abort();
+}
+}  // namespace
+
+extern "C" void exl3_moe_host_submit(void* data) {
+  auto* host = static_cast<Exl3MoeHostJob*>(data);
+  host->begun_ns = steady_ns();
+  if (exl3_moe_submit(&host->job) != 0) host_job_failed(*host);
+}
+
+extern "C" void exl3_moe_host_wait(void* data) {
+  auto* host = static_cast<Exl3MoeHostJob*>(data);
+  if (exl3_moe_wait(&host->job) != 0) host_job_failed(*host);
+  host->busy_ns += steady_ns() - host->begun_ns;
+}
+
+std::vector<int64_t> exl3_moe_host_abi() {
+  return {reinterpret_cast<int64_t>(&exl3_moe_host_submit), reinterpret_cast<int64_t>(&exl3_moe_host_wait),
+          static_cast<int64_t>(sizeof(Exl3MoeHostJob))};
+}
+
 // The C ABI's entry points, for callers without Python (a CUDA host function): their addresses, the job
 // struct's size, and the handle of a layer.
 std::vector<int64_t> exl3_moe_abi() {
@@ -340,4 +388,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The layer's routed-expert forward for a batch (ids -1 skipped), fp32");
   m.def("exl3_moe_matmul", &exl3_moe_matmul, "Test hook: a @ W_hat through the MoE forward's tile routine");
   m.def("exl3_moe_abi", &exl3_moe_abi, "(exl3_moe_submit address, exl3_moe_wait address, sizeof(Exl3MoeJob))");
+  m.def("exl3_moe_host_abi", &exl3_moe_host_abi,
+        "(exl3_moe_host_submit address, exl3_moe_host_wait address, sizeof(Exl3MoeHostJob)): cudaHostFn_t's");
 }

@@ -24,10 +24,16 @@ Interface, kept stable for the CPU tier and for a GPU stream's host function:
   `const float* weights` (tokens, top_k), `int64 tokens`, `int64 top_k`, `int32 route_on_input`, `float* out`,
   `int64 out_stride`, `volatile int32 state` (0 running, 1 done, -1 failed), `char error[240]`.
   x and out are fp32 rows of at least crop.hidden columns; one job per layer in flight at a time.
+  `Exl3MoeJob` below is that struct for ctypes.
+- For a CUDA stream (the CPU tier on a GPU): `host_abi()` gives `void exl3_moe_host_submit(void*)` and
+  `void exl3_moe_host_wait(void*)`, cudaHostFn_t's, on an `Exl3MoeHostJob` (the job, `int64 begun_ns`,
+  `int64 busy_ns`: the summed submit-to-done time, `char name[120]`: the layer). A failed job stops the process
+  with the layer named on stderr (a host function cannot report to CUDA; csrc/exl3_cpu.cpp says why).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +41,7 @@ import torch
 from ..exl3.naming import PROJECTIONS
 from .contract import MoELayer
 from .cpu_exl3 import codebook_values, extension
+from .cpu_extension import CpuKernelUnavailable
 from .matrix_table import CODEBOOK_IDS
 
 
@@ -81,7 +88,32 @@ class CpuMoE:
         return out.to(x.dtype)
 
 
+class Exl3MoeJob(ctypes.Structure):
+    """The C ABI's job (module docstring), field for field."""
+
+    _fields_ = [("layer", ctypes.c_void_p), ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64),
+                ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("tokens", ctypes.c_int64),
+                ("top_k", ctypes.c_int64), ("route_on_input", ctypes.c_int32), ("out", ctypes.c_void_p),
+                ("out_stride", ctypes.c_int64), ("state", ctypes.c_int32), ("error", ctypes.c_char * 240)]
+
+
+class Exl3MoeHostJob(ctypes.Structure):
+    """A job as a CUDA stream's host functions take it (module docstring)."""
+
+    _fields_ = [("job", Exl3MoeJob), ("begun_ns", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
+                ("name", ctypes.c_char * 120)]
+
+
 def abi() -> tuple[int, int, int]:
     """(address of exl3_moe_submit, address of exl3_moe_wait, sizeof(Exl3MoeJob)): the C entry points."""
     submit, wait, size = extension().exl3_moe_abi()
     return submit, wait, size
+
+
+def host_abi() -> tuple[int, int]:
+    """(address of exl3_moe_host_submit, address of exl3_moe_host_wait), checked against this module's struct."""
+    submit, wait, size = extension().exl3_moe_host_abi()
+    if size != ctypes.sizeof(Exl3MoeHostJob):
+        raise CpuKernelUnavailable(f"the compiled CPU kernel's Exl3MoeHostJob is {size} bytes, this module's "
+                                   f"{ctypes.sizeof(Exl3MoeHostJob)}: a stale build; rebuild the extension")
+    return submit, wait

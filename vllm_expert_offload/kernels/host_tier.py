@@ -17,11 +17,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..memory.tier_cpus import TierCpus
 from ..offload.cpu_tier import CpuTierSettings
 from ..placement.cost import TierRates
-from .contract import MoEKernel, MoELayer
+from .contract import MoELayer
 from .oracle import BackendUnavailable
 from .cpu_exl3 import BACKEND as CPU_BACKEND
+from .cpu_exl3 import cpu_kernel_unavailable
+from .cpu_moe import CpuMoE
 
 WHERE = "--additional-config expert_offload.cpu_tier"
 PROBE_REPEATS = 3  # timed runs per token count (the fastest is kept: the others saw interference)
@@ -39,19 +42,18 @@ class ReadyPartial:
 
 
 class HostTier:
-    """One MoE layer's CPU tier on the CPU engine: the compiled CPU kernel over the layer's pointer tables, run
-    inside the forward by the worker's own threads (the engine's cores are the host's cores there). `busy` is
-    told the seconds each job took (the /metrics busy time)."""
+    """One MoE layer's CPU tier kernel: the compiled CPU MoE kernel over the layer's host records. On the CPU engine
+    the forward starts it directly (the worker's own threads run it, the engine's cores being the host's); on a GPU
+    the stream tier (stream_host_tier.py) queues the same kernel's C host functions, and the startup probe times it
+    here. `busy` is told the seconds each directly started job took (the /metrics busy time)."""
 
-    # cpus/threads are resolved and checked at start-up, but here the worker's own threads run the job: say so
-    where = "in the forward by the worker's own threads, before the device path (cpus/threads not applied there)"
-
-    def __init__(self, kernel: MoEKernel, hidden: int, apply_router_weight_on_input: bool,
-                 busy: Callable[[float], None]) -> None:
+    def __init__(self, kernel: CpuMoE, hidden: int, apply_router_weight_on_input: bool,
+                 busy: Callable[[float], None], where: str) -> None:
         self.kernel = kernel
         self.hidden = hidden
         self.on_input = apply_router_weight_on_input
         self.busy = busy
+        self.where = where
 
     def start(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor) -> ReadyPartial:
         """This forward's job, computed now and timed (the StreamHostTier's interface, kernels/stream_host_tier.py)."""
@@ -73,17 +75,23 @@ class HostTier:
         return out.to(x.dtype)
 
 
-def build_host_tier(layer: MoELayer, apply_router_weight_on_input: bool, busy: Callable[[float], None]) -> HostTier:
-    """The layer's CPU tier; refused by name where the compiled CPU kernel cannot compute it."""
-    if layer.device.type != "cpu":
-        raise BackendUnavailable(f"{WHERE}: on {layer.device.type} the tier's host jobs in the device's stream are "
-                                 "not built yet; serve without cpu_tier")
-    why = CPU_BACKEND.unavailable(layer.device) or CPU_BACKEND.moe_refusal(layer)
+def build_host_tier(layer: MoELayer, apply_router_weight_on_input: bool, busy: Callable[[float], None],
+                    cpus: TierCpus | None = None) -> HostTier:
+    """The layer's CPU tier kernel, reading the host records in place (the expert cache's slots are the device
+    path's: the tier reads only host records). `cpus`: the pool's threads and cores (a GPU box); None: the CPU
+    engine, whose worker's own threads run the job. Refused by name where the compiled CPU kernel cannot compute
+    the layer."""
+    why = cpu_kernel_unavailable() or CPU_BACKEND.moe_refusal(layer)
     if why is not None:
         raise BackendUnavailable(f"{WHERE}: the CPU tier computes with the compiled CPU kernel, which cannot here: "
                                  f"{why}")
-    return HostTier(CPU_BACKEND.build_moe(replace(layer, cache=None)), layer.crop.hidden,
-                    apply_router_weight_on_input, busy)
+    host_layer = replace(layer, cache=None)
+    if cpus is None:
+        return HostTier(CpuMoE(host_layer), layer.crop.hidden, apply_router_weight_on_input, busy,
+                        "in the forward by the worker's own threads, before the device path (cpus/threads not "
+                        "applied there)")
+    return HostTier(CpuMoE(host_layer, cpus.threads, cpus.cpus), layer.crop.hidden, apply_router_weight_on_input,
+                    busy, f"by a pool of {cpus.describe()}")
 
 
 def probe_counts(max_tokens: int) -> list[int]:
@@ -93,12 +101,13 @@ def probe_counts(max_tokens: int) -> list[int]:
 
 
 def probe_rates(tier: HostTier, expert: int, expert_bytes: int, hidden: int, dtype: torch.dtype,
-                settings: CpuTierSettings, device_bytes_per_s: float | None = None,
+                settings: CpuTierSettings, device_bytes_per_s: float | None = None, cpu_overhead_s: float = 0.0,
                 budget_s: float = PROBE_BUDGET_S) -> TierRates:
     """Time the tier's kernel on one host-resident expert at each probe count (fastest of PROBE_REPEATS after a
     warm-up), trellis bytes per second; counts past `budget_s` are left to the rate table's extrapolation.
     `device_bytes_per_s`: the device path's read rate of a host record; None on the CPU engine, where the device
-    path is this same kernel on the same record, so its 1-token rate stands for it."""
+    path is this same kernel on the same record, so its 1-token rate stands for it. `cpu_overhead_s`: the fixed
+    cost of handing a step to the tier (device_probe.py `exchange_seconds` on a GPU; nothing on the CPU engine)."""
     generator = torch.Generator().manual_seed(0)
     points: list[tuple[int, float]] = []
     start = time.perf_counter()
@@ -111,7 +120,8 @@ def probe_rates(tier: HostTier, expert: int, expert_bytes: int, hidden: int, dty
         points.append((count, expert_bytes / max(best, 1e-9)))
         if time.perf_counter() - start > budget_s:
             break
-    return TierRates(tuple(points), points[0][1] if device_bytes_per_s is None else device_bytes_per_s)
+    return TierRates(tuple(points), points[0][1] if device_bytes_per_s is None else device_bytes_per_s,
+                     cpu_overhead_s)
 
 
 def _timed(tier: HostTier, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> float:

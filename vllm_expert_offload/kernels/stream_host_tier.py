@@ -3,21 +3,23 @@ graph captures the whole exchange.
 
 Per forward, on a side stream forked from the current one (a stream wait, which capture turns into a graph edge):
 the tier's inputs (x, router weights, the tier's top-k ids, -1 for the device's entries) are copied into pinned
-staging buffers, the host job is queued with cudaLaunchHostFunc (memory/_cuda_host.py; its user data is the step's
-token count, a shape, so fixed per captured graph), and the job's partial sums are copied back to the device. The
+staging buffers, the host job is queued with cudaLaunchHostFunc (memory/_cuda_host.py; its user data is the job struct of the
+step's size, so fixed per captured graph), and the job's partial sums are copied back to the device. The
 current stream meanwhile runs the device kernel on its own entries and joins the side stream only when it adds the
 partial sum (`StreamPartial.result`). Each layer has its own buffers; consecutive steps of one layer are ordered by
 the side stream, so a step's copies never overwrite what the previous step's job still reads.
 
-The host job is a ctypes callback: CUDA's callback thread takes the GIL to run it, so the thread replaying a graph
-must not hold the GIL while it waits on the device (torch's waits release it). A job that raises cannot report
-through CUDA: its error is kept and raised by the layer's next forward, naming the layer.
+The host job is the compiled CPU kernel's own pair of C host functions (cpu_moe.py `host_abi`), run on CUDA's
+callback thread with no Python and no GIL: a submit that hands the job to the layer's pinned pool of worker threads
+and a wait, queued as two host nodes, on a job struct whose row count is fixed per captured graph (one struct per
+step size). The tier's busy time is read from those structs at the layer's next forward. A failed job stops the
+process with the layer named (csrc/exl3_cpu.cpp): a host function cannot report to CUDA, and a replayed graph runs
+no Python that could look.
 """
 
 from __future__ import annotations
 
 import ctypes
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -25,21 +27,17 @@ from typing import Iterator, Protocol
 
 import torch
 
-from ..errors import ExpertOffloadError
 from ..memory import _cuda_host
+from .cpu_moe import Exl3MoeHostJob, Exl3MoeJob, host_abi
 
 HOST_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # cudaHostFn_t: void (*)(void *userData)
 
 
-class CpuTierJobError(ExpertOffloadError, RuntimeError):
-    """A CPU tier job failed on CUDA's callback thread; raised by the layer's next forward."""
+class HandleOwner(Protocol):
+    """What a host job computes with: the compiled CPU MoE kernel (cpu_moe.CpuMoE) of the layer."""
 
-
-class TierCompute(Protocol):
-    """What a host job runs: the router-weighted sum over the tier's own entries (kernels/host_tier.py)."""
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor,
-                apply_router_weight_on_input: bool) -> torch.Tensor: ...
+    @property
+    def handle(self) -> int: ...
 
 
 class PendingPartial(Protocol):
@@ -55,10 +53,11 @@ class CpuTierCompute(Protocol):
 
 
 class HostJob:
-    """One layer's staging buffers on the host (pinned where a GPU copies into them) and the C-callable function
-    that computes the tier's partial sums of the first `user_data` rows into `out`."""
+    """One layer's staging buffers on the host (pinned where a GPU copies into them: fp32 rows, int32 ids, as the
+    C ABI takes them) and, per step size, the job struct its two host functions run (kept alive here: CUDA and a
+    captured graph hold only its address)."""
 
-    def __init__(self, name: str, tier: TierCompute, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+    def __init__(self, name: str, kernel: HandleOwner, max_tokens: int, top_k: int, hidden: int,
                  apply_router_weight_on_input: bool, busy: Callable[[float], None],
                  host: torch.device = torch.device("cpu")) -> None:
         pin = host.type == "cpu" and torch.cuda.is_available()
@@ -66,28 +65,31 @@ class HostJob:
         def buffer(columns: int, kind: torch.dtype) -> torch.Tensor:
             return torch.zeros(max_tokens, columns, dtype=kind, device=host, pin_memory=pin)
 
-        self.name, self.tier, self.busy = name, tier, busy
+        self.name, self.kernel, self.busy, self.hidden = name, kernel, busy, hidden
         self.on_input = apply_router_weight_on_input
-        self.x, self.weights = buffer(hidden, dtype), buffer(top_k, torch.float32)
-        self.ids, self.out = buffer(top_k, torch.int64), buffer(hidden, torch.float32)
-        self.error: BaseException | None = None
-        self.function = HOST_FUNC(self._run)  # kept alive here: CUDA holds only its address
-        self.address = ctypes.cast(self.function, ctypes.c_void_p).value
+        self.x, self.weights = buffer(hidden, torch.float32), buffer(top_k, torch.float32)
+        self.ids, self.out = buffer(top_k, torch.int32), buffer(hidden, torch.float32)
+        self.submit, self.wait = host_abi()
+        self._jobs: dict[int, Exl3MoeHostJob] = {}
+        self._busy_reported_ns = 0
 
-    def _run(self, user_data: int | None) -> None:
-        tokens = user_data or 0
-        began = time.perf_counter()
-        try:
-            part = self.tier.forward(self.x[:tokens], self.weights[:tokens], self.ids[:tokens], self.on_input)
-            self.out[:tokens].copy_(part)
-        except BaseException as error:  # nothing may unwind into CUDA's thread; the next forward raises it
-            self.out[:tokens].fill_(float("nan"))
-            self.error = error
-        self.busy(time.perf_counter() - began)
+    def address(self, tokens: int) -> int:
+        """The job struct of a step of `tokens` rows (made at its first step: at capture for a graph)."""
+        host_job = self._jobs.get(tokens)
+        if host_job is None:
+            job = Exl3MoeJob(self.kernel.handle, self.x.data_ptr(), self.x.stride(0), self.ids.data_ptr(),
+                             self.weights.data_ptr(), tokens, self.ids.shape[1], int(self.on_input),
+                             self.out.data_ptr(), self.out.stride(0))
+            host_job = self._jobs[tokens] = Exl3MoeHostJob(job, 0, 0, self.name.encode()[:119])
+        return ctypes.addressof(host_job)
 
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise CpuTierJobError(f"{self.name}: the CPU tier's host job failed: {self.error!r}") from self.error
+    def report_busy(self) -> None:
+        """Tell `busy` the seconds the pool spent on this layer's jobs since the last report (host memory that the
+        host functions write: no device synchronisation)."""
+        total = sum(host_job.busy_ns for host_job in self._jobs.values())
+        if total > self._busy_reported_ns:
+            self.busy((total - self._busy_reported_ns) / 1e9)
+            self._busy_reported_ns = total
 
 
 class StreamOrder(Protocol):
@@ -121,14 +123,15 @@ class CudaStreamOrder:
 
 @dataclass(frozen=True)
 class StreamPartial:
-    """The tier's partial sum of one forward, valid once `result` has joined the side stream."""
+    """The tier's fp32 partial sum of one forward, valid once `result` has joined the side stream."""
 
     partial: torch.Tensor
     order: StreamOrder
+    dtype: torch.dtype
 
     def result(self) -> torch.Tensor:
         self.order.join()
-        return self.partial
+        return self.partial.to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -137,16 +140,21 @@ class StreamHostTier:
 
     job: HostJob
     order: StreamOrder
+    where: str = "in the GPU stream's order"  # for the start-up log
 
     def start(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor) -> StreamPartial:
-        """Queue the tier's work for this forward (nothing waits here); x's dtype partial sum via `result`."""
-        self.job.raise_if_failed()
-        tokens = x.shape[0]
-        partial = torch.empty_like(x)  # on the current stream, before the fork: the join orders its use
-        with self.order.side():
-            self.job.x[:tokens].copy_(x, non_blocking=True)
-            self.job.weights[:tokens].copy_(topk_weights, non_blocking=True)
-            self.job.ids[:tokens].copy_(cpu_ids, non_blocking=True)
-            self.order.launch(self.job.address, tokens)
-            partial.copy_(self.job.out[:tokens], non_blocking=True)
-        return StreamPartial(partial, self.order)
+        """Queue the tier's work for this forward (nothing waits here); x's dtype partial sum via `result`.
+        Conversions happen on the device before each copy: a copy that also converts would stage through
+        pageable memory and wait for the device."""
+        self.job.report_busy()
+        tokens, job = x.shape[0], self.job
+        partial = torch.empty(tokens, job.hidden, dtype=torch.float32, device=x.device)  # before the fork: the
+        with self.order.side():  # join orders its use on the current stream
+            job.x[:tokens].copy_(x[:, :job.hidden].float(), non_blocking=True)
+            job.weights[:tokens].copy_(topk_weights.float(), non_blocking=True)
+            job.ids[:tokens].copy_(cpu_ids.to(torch.int32), non_blocking=True)
+            address = job.address(tokens)
+            self.order.launch(job.submit, address)
+            self.order.launch(job.wait, address)
+            partial.copy_(job.out[:tokens], non_blocking=True)
+        return StreamPartial(partial, self.order, x.dtype)

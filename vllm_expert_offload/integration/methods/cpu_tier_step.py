@@ -22,17 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.contract import MoELayer
+from ...kernels.contract import MoEKernel, MoELayer
+from ...kernels.device_probe import device_read_rate, exchange_seconds
 from ...kernels.expert_slots import ExpertSlots
-from ...kernels.host_tier import build_host_tier, probe_rates
-from ...kernels.stream_host_tier import CpuTierCompute, PendingPartial
+from ...kernels.host_tier import HostTier, build_host_tier, probe_rates
+from ...kernels.stream_host_tier import CpuTierCompute, CudaStreamOrder, HostJob, PendingPartial, StreamHostTier
 from ...memory.tier_cpus import TierCpus, tier_cpus
 from ...memory.topology import node_cpus, parse_cpulist
 from ...offload.counters import TierCounters
 from ...offload.cpu_tier import TierSplit, split_ids
 from ...offload.process import ProcessPlacement
+from ...placement.cost import TierRates
 
 logger = logging.getLogger("vllm.expert_offload")
+STREAM_ORDER = ", in the GPU stream's order (two host functions per step, no Python)"
 SPLIT_RULES = {
     "auto": "per step and layer, routed host-resident misses not being cached, ordered by (tokens, expert id); the "
             "CPU takes the prefix that makes both tiers finish together (placement/cost.py balanced_cpu_split)",
@@ -98,21 +101,36 @@ def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: 
 
 
 def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
-                        apply_router_weight_on_input: bool, share: Callable[[], tuple[int, int]] = host_share
-                        ) -> CpuTierStep | None:
+                        apply_router_weight_on_input: bool, device_kernel: MoEKernel,
+                        share: Callable[[], tuple[int, int]] = host_share) -> CpuTierStep | None:
     """The layer's CPU tier step, or None without `cpu_tier` or without a host-resident expert in the layer.
-    `share`: (this worker's index, workers) on this host, asked only when the tier's cores are resolved."""
+    On the CPU engine the worker's threads compute the tier's experts in the forward; on a GPU the tier's own pool
+    does, on the resolved cores, in the stream's order (kernels/stream_host_tier.py). `device_kernel`: the layer's
+    device path, whose read of a host record the GPU's probe times; `share`: (this worker's index, workers) on
+    this host."""
     settings = placement.options.cpu_tier
     host_resident = torch.nonzero(~layer.tables.in_gpu_tier).flatten().tolist()
     if settings is None or not host_resident:
         return None
-    tier = build_host_tier(layer, apply_router_weight_on_input,
-                           functools.partial(placement.tier_counters.add_cpu_busy, row))
+    busy = functools.partial(placement.tier_counters.add_cpu_busy, row)
+    cpus = resolve_tier_cpus(placement, layer.device, share())
+    on_gpu = layer.device.type != "cpu"
+    host = build_host_tier(layer, apply_router_weight_on_input, busy, cpus if on_gpu else None)
+    tier: HostTier | StreamHostTier = host
+    if on_gpu:
+        job = HostJob(layer.name, host.kernel, settings.max_tokens, layer.top_k, layer.crop.hidden,
+                      apply_router_weight_on_input, busy)
+        tier = StreamHostTier(job, CudaStreamOrder(layer.device), host.where + STREAM_ORDER)
 
-    def probe():
-        cpus = resolve_tier_cpus(placement, layer.device, share())
+    def probe() -> TierRates:
         expert = host_resident[0]
-        rates = probe_rates(tier, expert, int(expert_bytes[expert]), layer.crop.hidden, layer.dtype, settings)
+        nbytes, hidden = int(expert_bytes[expert]), layer.crop.hidden
+        device_rate = overhead = None
+        if on_gpu:
+            device_rate = device_read_rate(device_kernel, expert, nbytes, hidden, layer.top_k, layer.dtype,
+                                           layer.device)
+            overhead = exchange_seconds(tier, hidden, layer.top_k, layer.dtype, layer.device)
+        rates = probe_rates(host, expert, nbytes, hidden, layer.dtype, settings, device_rate, overhead or 0.0)
         logger.info("expert_offload.cpu_tier (%s): computed %s (the tier's cores: %s); steps of up to %d tokens; "
                     "split %s: %s; rates from the start-up probe of %s expert %d: %s", placement.rank_label(),
                     tier.where, cpus.describe(), settings.max_tokens, settings.split, SPLIT_RULES[settings.split],

@@ -123,7 +123,8 @@ class ExpertLoading:
         )
         kernel = build_moe_kernel(self.kernels, moe_layer)
         expert_bytes = expert_trellis_bytes(experts, self.device)
-        cpu_tier = build_cpu_tier_step(placement, moe_layer, expert_bytes, row, layer.apply_router_weight_on_input)
+        cpu_tier = build_cpu_tier_step(placement, moe_layer, expert_bytes, row, layer.apply_router_weight_on_input,
+                                       kernel)
         placement.note_loading_peak(self.device)
         return MoERuntime(
             op_name=self.op_name, layer_index=self.layer_index, counter_row=row, geometry=self.geometry,
