@@ -101,12 +101,13 @@ def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: 
 
 
 def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
-                        apply_router_weight_on_input: bool, device_kernel: MoEKernel,
+                        apply_router_weight_on_input: bool, device_kernel: Callable[[], MoEKernel],
                         share: Callable[[], tuple[int, int]] = host_share) -> CpuTierStep | None:
     """The layer's CPU tier step, or None without `cpu_tier` or without a host-resident expert in the layer.
     On the CPU engine the worker's threads compute the tier's experts in the forward; on a GPU the tier's own pool
-    does, on the resolved cores, in the stream's order (kernels/stream_host_tier.py). `device_kernel`: the layer's
-    device path, whose read of a host record the GPU's probe times; `share`: (this worker's index, workers) on
+    does, on the resolved cores, in the stream's order (kernels/stream_host_tier.py). `device_kernel`: builds the
+    layer's device path without an expert cache, whose read of a host record the GPU's probe times (a cache would
+    take the probe's read for a fill and move the expert into a slot); `share`: (this worker's index, workers) on
     this host."""
     settings = placement.options.cpu_tier
     host_resident = torch.nonzero(~layer.tables.in_gpu_tier).flatten().tolist()
@@ -127,7 +128,7 @@ def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_byt
         nbytes, hidden = int(expert_bytes[expert]), layer.crop.hidden
         device_rate = overhead = None
         if on_gpu:
-            device_rate = device_read_rate(device_kernel, expert, nbytes, hidden, layer.top_k, layer.dtype,
+            device_rate = device_read_rate(device_kernel(), expert, nbytes, hidden, layer.top_k, layer.dtype,
                                            layer.device)
             overhead = exchange_seconds(tier, hidden, layer.top_k, layer.dtype, layer.device)
         rates = probe_rates(host, expert, nbytes, hidden, layer.dtype, settings, device_rate, overhead or 0.0)

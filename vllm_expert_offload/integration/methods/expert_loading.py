@@ -4,7 +4,7 @@ expert arrived and builds the layer's `MoERuntime` (pointer tables, expert cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -123,8 +123,10 @@ class ExpertLoading:
         )
         kernel = build_moe_kernel(self.kernels, moe_layer)
         expert_bytes = expert_trellis_bytes(experts, self.device)
-        cpu_tier = build_cpu_tier_step(placement, moe_layer, expert_bytes, row, layer.apply_router_weight_on_input,
-                                       kernel)
+        cpu_tier = build_cpu_tier_step(
+            placement, moe_layer, expert_bytes, row, layer.apply_router_weight_on_input,
+            lambda: kernel if cache is None else build_moe_kernel(self.kernels, replace(moe_layer, cache=None,
+                                                                                        capture_rows=(1,))))
         placement.note_loading_peak(self.device)
         return MoERuntime(
             op_name=self.op_name, layer_index=self.layer_index, counter_row=row, geometry=self.geometry,
