@@ -87,10 +87,20 @@ class FakeServer:
         return response
 
     async def metrics_page(self, _: web.Request) -> web.Response:
+        """The page as vLLM 0.32 writes it: the counter per engine (two here, as with data parallelism, splitting
+        the count) and beside it the `_created` gauge, a timestamp that must not be summed with it."""
         if not self.metrics:
             return web.Response(status=404)
         value = self.generated * self.counter_factor
-        return web.Response(text=f'vllm:generation_tokens_total{{model_name="fake"}} {value}\n')
+        text = "".join(
+            f"# HELP vllm:{name} Number of generation tokens processed.\n# TYPE vllm:{name} {kind}\n"
+            + "".join(f'vllm:{name}{{engine="{engine}",model_name="fake"}} {sample}\n'
+                      for engine, sample in enumerate(samples))
+            for name, kind, samples in (
+                ("generation_tokens_total", "counter", (value / 4, value * 3 / 4)),
+                ("generation_tokens_created", "gauge", (1.7963656157809968e09, 1.7963656157809968e09)),
+            ))
+        return web.Response(text=text)
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(
