@@ -61,6 +61,14 @@ def test_backlog_in_the_first_chunk_is_flagged_not_printed_as_a_speed(tmp_path, 
     assert out.out.count("FAILED, not a result") == 2 and "fell behind" in out.out
 
 
+def test_a_closing_chunk_without_tokens_is_no_token_event(tmp_path, capsys) -> None:
+    """The finish reason alone, after the last token (vLLM may send it so): not a chunk that carried tokens."""
+    with serving(FakeServer(steady(0.02, GAP_S), finish_after_s=0.005)) as server:
+        code, result, _ = _bench(server.url, tmp_path, capsys, concurrency="1,2")
+    for row in result["concurrency"]:
+        assert code == 0 and row["chunks"] == row["concurrency"] * OUTPUT_TOKENS and row["merged_chunks"] == 0
+
+
 def test_tails_are_taken_from_the_slow_side(tmp_path, capsys) -> None:
     """Two turns, one fast and early (20 ms to the first token, 100 tok/s), one slow (120 ms, 50 tok/s): p5 of the
     speeds lies near the slow turn, below the median, and p95 of TTFT near the slow one's, above the median."""
