@@ -669,6 +669,39 @@ def test_check_kv_plans_dsv4_layer_patterns(kv_fix, tmp_path: Path, capsys: pyte
     assert "compression 128, page 0 B" not in out  # the upstream planning's empty ratio-128 page
 
 
+def _dsv4_033_config(directory: Path, compress_rates: dict[str, int] | None) -> Path:
+    """The DeepSeek-V4-Flash config.json as vLLM 0.33 spells it: `layer_types` (and `compress_rates`) in place of
+    `compress_ratios`."""
+    config = json.loads((DSV4_FIXTURE / "config.json").read_text())
+    names = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    config["layer_types"] = [names[r] for r in config.pop("compress_ratios")[: config["num_hidden_layers"]]]
+    if compress_rates is not None:
+        config["compress_rates"] = compress_rates
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+@pytest.mark.parametrize(("compress_rates", "layers_at_ratio"), [
+    (None, {4: 21, 128: 20}),  # transformers' default rates: the fixture's own compress_ratios
+    ({"compressed_sparse_attention": 128, "heavily_compressed_attention": 4}, {4: 20, 128: 21}),
+])
+def test_check_kv_reads_dsv4_rates_as_the_format_check_does(kv_fix, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            compress_rates: dict[str, int] | None,
+                                                            layers_at_ratio: dict[int, int]) -> None:
+    """check-kv takes each layer's rate from exl3's compress_ratios, the one rule the checkpoint's compressor shapes
+    are checked by: 0.33's spelling (no `compress_ratios`) plans, and the rates `compress_rates` names move the
+    layers between the ratio-4 and ratio-128 caches."""
+    from vllm_expert_offload.tools import check_kv_cmd
+
+    model = _dsv4_033_config(tmp_path / "v033", compress_rates)
+    assert check_kv_cmd.run(_check_kv_args(model, 128)) == 0
+    out = capsys.readouterr().out
+    planned = {int(ratio): int(layers) for layers, ratio in re.findall(
+        r"spec MLAAttentionSpec on FLASHMLA_SPARSE_DSV4: (\d+) layers, block \d+, compression (\d+)", out)}
+    assert planned == layers_at_ratio and out.rstrip().endswith("OK"), out
+
+
 @pytest.mark.parametrize(("requested", "planned"), [(16, 32), (32, 32), (64, 64), (128, 128), (256, 256)])
 def test_check_kv_plans_qwen_on_the_cpu_backend(kv_fix, capsys: pytest.CaptureFixture, requested: int,
                                                 planned: int) -> None:

@@ -65,6 +65,22 @@ def test_decayed_lfu_evicts_the_lowest_count_and_never_a_selected_expert() -> No
     assert _step(cache, [[0, 2], [4, 0]]) == ([2, -1], [1, -1], [3, -1], 2, 2)
 
 
+@pytest.mark.parametrize(("incumbent_reads", "admitted"), [(1, True), (2, False), (3, False)])
+def test_decayed_lfu_admission_at_a_tied_score_keeps_the_incumbent(incumbent_reads: int, admitted: bool) -> None:
+    # half-life 1/64 token: the frequency scale (64 half-lives) halves per token and the recency scale falls by 2**-64,
+    # both exact in float64, so the counts below tie exactly rather than to rounding. Neither scale has served the
+    # layer better (every read so far went to the resident, the top expert of both scales), so frequency ranks.
+    initial = torch.tensor([0, -1, -1], dtype=torch.int32)
+    cache = ExpertCache(CacheSettings("decayed-lfu", half_life_tokens=1 / 64), num_experts=3, slots=1, device="cpu",
+                        initial=initial)
+    assert _step(cache, [[0]] * incumbent_reads) == ([-1], [-1], [-1], incumbent_reads, 0)
+    # one token later the resident's count is incumbent_reads / 2 against the newcomer's fresh 1: the newcomer is
+    # installed only when it ranks strictly above; at 1 = 2 / 2 the incumbent stays (no churn between equals)
+    fill = ([1], [0], [0]) if admitted else ([-1], [-1], [-1])
+    assert _step(cache, [[1]]) == (*fill, 0, 1)
+    assert cache.expert_of_slot.tolist() == [1 if admitted else 0]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_padding_ids_are_neither_counted_nor_filled(policy: str) -> None:
     cache = ExpertCache(CacheSettings(policy), num_experts=4, slots=2, device="cpu")

@@ -204,6 +204,13 @@ def test_cpu_tier_parsed_once_off_unless_asked() -> None:
     assert parse_offload_options({"expert_offload": {"plan": __file__, "cpu_tier": {"threads": "auto"}}}).cpu_tier
 
 
+def test_cpu_tier_cpu_list_boundaries_are_accepted() -> None:
+    """A range of one CPU ("5-5") and as many threads as CPUs: the edges of what the refusals below refuse."""
+    tier = parse_offload_options({"expert_offload": {"host_fraction": 0.5, "cpu_tier": {
+        "cpus": "5-5,0", "threads": 2}}}).cpu_tier
+    assert (tier.cpus, tier.threads) == ((0, 5), 2)
+
+
 @pytest.mark.parametrize(
     ("cpu_tier", "named"),
     [

@@ -52,11 +52,12 @@ class FakeServer:
     counter_factor: float = 1.0  # /metrics reports generated tokens times this
     final_usage_extra: int = 0  # the closing usage claims this many tokens more than the chunks carried
     metrics: bool = True  # False: no /metrics page, as on a non-vLLM server
+    finish_after_s: float | None = None  # a closing chunk with the finish reason and no tokens, this long after
     generated: int = 0
     url: str = ""
 
-    def _chunk(self, text: str, usage: dict | None, logprobs: dict | None) -> bytes:
-        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}] if text else []
+    def _chunk(self, text: str, usage: dict | None, logprobs: dict | None, finish: str | None = None) -> bytes:
+        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}] if text or finish else []
         body = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake", "choices": choices,
                 "usage": usage}
         return f"data: {json.dumps(body)}\n\n".encode()
@@ -79,6 +80,12 @@ class FakeServer:
             logprobs = ({"tokens": [" t"] * tokens, "token_logprobs": [-0.1] * tokens, "top_logprobs": None,
                          "text_offset": [0] * tokens} if with_logprobs else None)
             await response.write(self._chunk(" t" * tokens, usage, logprobs))
+        if self.finish_after_s is not None:
+            await asyncio.sleep(self.finish_after_s)
+            usage = ({"prompt_tokens": prompt_tokens, "completion_tokens": sent,
+                      "total_tokens": prompt_tokens + sent} if per_chunk_usage else None)
+            empty = {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": []}
+            await response.write(self._chunk("", usage, empty if with_logprobs else None, "length"))
         if options.get("include_usage"):
             total = sent + self.final_usage_extra
             await response.write(self._chunk("", {"prompt_tokens": prompt_tokens, "completion_tokens": total,
@@ -87,10 +94,20 @@ class FakeServer:
         return response
 
     async def metrics_page(self, _: web.Request) -> web.Response:
+        """The page as vLLM 0.32 writes it: the counter per engine (two here, as with data parallelism, splitting
+        the count) and beside it the `_created` gauge, a timestamp that must not be summed with it."""
         if not self.metrics:
             return web.Response(status=404)
         value = self.generated * self.counter_factor
-        return web.Response(text=f'vllm:generation_tokens_total{{model_name="fake"}} {value}\n')
+        text = "".join(
+            f"# HELP vllm:{name} Number of generation tokens processed.\n# TYPE vllm:{name} {kind}\n"
+            + "".join(f'vllm:{name}{{engine="{engine}",model_name="fake"}} {sample}\n'
+                      for engine, sample in enumerate(samples))
+            for name, kind, samples in (
+                ("generation_tokens_total", "counter", (value / 4, value * 3 / 4)),
+                ("generation_tokens_created", "gauge", (1.7963656157809968e09, 1.7963656157809968e09)),
+            ))
+        return web.Response(text=text)
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(

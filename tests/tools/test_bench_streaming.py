@@ -61,6 +61,27 @@ def test_backlog_in_the_first_chunk_is_flagged_not_printed_as_a_speed(tmp_path, 
     assert out.out.count("FAILED, not a result") == 2 and "fell behind" in out.out
 
 
+def test_a_closing_chunk_without_tokens_is_no_token_event(tmp_path, capsys) -> None:
+    """The finish reason alone, after the last token (vLLM may send it so): not a chunk that carried tokens."""
+    with serving(FakeServer(steady(0.02, GAP_S), finish_after_s=0.005)) as server:
+        code, result, _ = _bench(server.url, tmp_path, capsys, concurrency="1,2")
+    for row in result["concurrency"]:
+        assert code == 0 and row["chunks"] == row["concurrency"] * OUTPUT_TOKENS and row["merged_chunks"] == 0
+
+
+def test_tails_are_taken_from_the_slow_side(tmp_path, capsys) -> None:
+    """Two turns, one fast and early (20 ms to the first token, 100 tok/s), one slow (120 ms, 50 tok/s): p5 of the
+    speeds lies near the slow turn, below the median, and p95 of TTFT near the slow one's, above the median."""
+    script = alternating(steady(0.02, GAP_S), steady(0.12, 2 * GAP_S))
+    with serving(FakeServer(script)) as server:
+        code, result, _ = _bench(server.url, tmp_path, capsys, concurrency="1", turns=2)
+    (row,) = result["concurrency"]
+    assert code == 0 and row["failed"] is None
+    assert row["p5_tok_s"] < row["median_tok_s"] and row["p5_end_to_end_tok_s"] < row["median_end_to_end_tok_s"]
+    assert row["p5_tok_s"] <= 1 / (2 * GAP_S) * 1.1  # within a tenth of the slow side's 50 tok/s
+    assert row["ttft_p95_s"] > row["ttft_median_s"] and row["ttft_p95_s"] >= 0.11
+
+
 def test_one_bursty_turn_of_a_session_is_flagged(tmp_path, capsys) -> None:
     """What the tiny CPU server did at 1 stream (4,339 tok/s per stream printed beside 334 generated): one turn's
     tokens came as a backlog, the other's steadily. The session's tokens over its decode time look plausible; the

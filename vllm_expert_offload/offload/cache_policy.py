@@ -21,10 +21,11 @@ Why it looks the way it does:
 Policies: "lru" ranks by the last token that read an expert. "decayed-lfu" keeps reads decayed per token at two
 half-lives, `half_life_tokens` (recency) and FREQUENCY_SCALE times it (frequency), and each layer ranks by the scale
 whose top `slots` experts held more of its reads lately: recency wins inside a prompt, frequency across domain
-shifts, and no single half-life serves both (docs/benchmarks.md). A missed expert is installed when it ranks above
-the weakest evictable resident (an empty slot always admits); for LRU that is always, since what was just read is
-the most recent. "off" never fills (the static plan), while still counting hits and misses. Negative ids (padding)
-are neither counted nor filled.
+shifts, and no single half-life serves both (docs/benchmarks.md). A missed expert is installed when it ranks
+strictly above the weakest evictable resident (an empty slot always admits): at a tied score the incumbent stays,
+since evicting it for an equal gains nothing and would let two experts read equally often trade a slot back and
+forth. For LRU admission is always, since what was just read is the most recent. "off" never fills (the static
+plan), while still counting hits and misses. Negative ids (padding) are neither counted nor filled.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ class ExpertCache:
     def _choose(self, selected: torch.Tensor, resident: torch.Tensor,
                 fills: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pair the `fills` strongest missed experts with the `fills` weakest evictable slots, strongest with weakest,
-        and keep the pairs where the newcomer outranks the occupant (empty slots always admit)."""
+        and keep the pairs where the newcomer strictly outranks the occupant (a tie keeps the occupant; empty slots
+        always admit)."""
         score = self._score
         missed = selected & ~resident
         # candidates: missed experts by score, descending; a stable sort keeps expert order among equals

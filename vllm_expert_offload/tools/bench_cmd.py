@@ -80,10 +80,13 @@ async def _measure(args: argparse.Namespace, concurrency: list[int]) -> dict:
         "ttft_repeats": args.ttft_repeats,
         "target_tok_s": args.target_tok_s, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    rows = [{k: v for k, v in dataclasses.asdict(level).items() if k != "mean_prompt_tokens"}
-            | {"failed": level.failed} for level in levels]
-    return {"concurrency": rows, "ttft_cold_s": cold, "ttft_cached_s": cached,
+    return {"concurrency": [level_row(level) for level in levels], "ttft_cold_s": cold, "ttft_cached_s": cached,
             "capacity_at_target": capacity(levels, args.target_tok_s), "settings": settings}
+
+
+def level_row(level: LevelResult) -> dict:
+    """A level as the JSON holds it and `level_line` prints it: its figures, its server check, why it failed."""
+    return {k: v for k, v in dataclasses.asdict(level).items() if k != "mean_prompt_tokens"} | {"failed": level.failed}
 
 
 def plot(result: dict, path: Path) -> None:

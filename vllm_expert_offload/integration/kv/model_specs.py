@@ -22,6 +22,8 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.worker import utils as worker_utils
 
+from ...exl3.deepseek_v4 import compress_ratios
+
 LayerSpecs = dict[str, tuple[KVCacheSpec, type[AttentionBackend]]]
 
 
@@ -30,15 +32,6 @@ def _add(out: LayerSpecs, name: str, spec: KVCacheSpec, backend: type[AttentionB
     if isinstance(spec, AttentionSpec):
         spec = worker_utils.customize_attention_spec(backend, spec)
     out[name] = (spec, backend)
-
-
-def _compress_ratios(hf_config) -> list[int]:
-    """0.33 reads transformers' DeepseekV4Config through a helper; 0.32 configs carry `compress_ratios`."""
-    try:
-        from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
-    except ImportError:
-        return list(hf_config.compress_ratios)
-    return list(get_compress_ratios(hf_config))
 
 
 # DeepSeek-V4 and V4.1's CUDA attention classes by the backend they run (vllm/models/<model>/nvidia/, 0.32 and
@@ -106,7 +99,8 @@ def deepseek_v4_specs(vllm_config: VllmConfig, gpu_arch: str | None, backend_nam
     # The layers register themselves in the forward context, as they do while the model is built.
     vllm_config.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(vllm_config):
-        for i, ratio in enumerate(_compress_ratios(hf)[: hf.num_hidden_layers]):
+        # exl3's rule on the config's dict: the rates the checkpoint's compressor shapes were checked against
+        for i, ratio in enumerate(compress_ratios(hf.to_dict())[: hf.num_hidden_layers]):
             prefix = f"model.layers.{i}.attn"
             if ratio == 4:
                 k_cache = DeepseekV4IndexerCache(
@@ -177,7 +171,7 @@ def deepseek_v41_specs(vllm_config: VllmConfig, gpu_arch: str, backend_name: str
         swa_kwargs["packed_block_stride_alignment"] = (
             math.lcm(swa_bytes, compressed_bytes) if kv_mxfp8 else None
         )
-    ratios = list(hf.compress_ratios)
+    ratios = compress_ratios(hf.to_dict())
     kv_sources = set(hf.kv_source_layer_ids or ())
     index_sources = set(hf.index_source_layer_ids or ())
     out: LayerSpecs = {}
