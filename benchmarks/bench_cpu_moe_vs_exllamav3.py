@@ -3,7 +3,8 @@
 Why: issue #41's anchor is exllamav3's CPU MoE (exllamav3_ext/cpu/moe_mul1.cpp); a figure measured on another
 machine says nothing about ours here. Both run the same layer (MUL1 experts from tools/random_layers.py, the same
 trellis/suh/svh bytes), the same threads, the same tokens routed to every expert, so each forward reads every
-weight once; reported in billions of weights per second per K (1-8) at 1 and 8 tokens, with the ratio, plus the
+weight once; reported in billions of weights per second per K (1-8) at 1 and 8 tokens (medians), with the ratio
+(the median over forwards timed back to back in alternating order, so a shared machine's load hits both), plus the
 largest relative difference of the two outputs (a check that both compute the same MLP: exllamav3 takes fp16
 rows, so it agrees to fp16 rounding, not bit for bit).
 
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +32,25 @@ from vllm_expert_offload.tools.exllamav3_cpu import Exllamav3Layer, build_exllam
 from vllm_expert_offload.tools.random_layers import median_seconds, random_moe
 
 CPU = torch.device("cpu")
+
+
+def paired_seconds(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """Median seconds of each and the median of their per-pair ratio (theirs / ours): the two run back to back,
+    in alternating order, `repeats` times after a warm-up, so load from other jobs on a shared machine falls on
+    both alike instead of on whichever ran during it."""
+    ours()
+    theirs()
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for i in range(repeats):
+        order = (("ours", ours), ("theirs", theirs)) if i % 2 == 0 else (("theirs", theirs), ("ours", ours))
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ratios = [t / o for o, t in zip(times["ours"], times["theirs"])]
+    return statistics.median(times["ours"]), statistics.median(times["theirs"]), statistics.median(ratios)
+
+
 def measure(module, shape: dict, k: int, repeats: int, threads: int) -> list[dict]:
     """Gweights/s of ours (and exllamav3's when `module`) for one K at 1 and 8 tokens, same layer and inputs."""
     moe = random_moe(**shape, k=k, host_share=1.0, backend="cpu", device=CPU, dtype=torch.float32)
@@ -41,14 +64,18 @@ def measure(module, shape: dict, k: int, repeats: int, threads: int) -> list[dic
         ids = torch.arange(shape["experts"]).repeat(tokens, 1)
         weights = torch.rand(tokens, shape["experts"], generator=gen).half()
         ours = moe.kernel.forward(x.float(), weights.float(), ids, False)
-        row = {"k": k, "tokens": tokens,
-               "ours": weights_per_forward / median_seconds(
-                   lambda: moe.kernel.forward(x.float(), weights.float(), ids, False), repeats, CPU) / 1e9}
-        if layer is not None:
+
+        def run_ours() -> object:
+            return moe.kernel.forward(x.float(), weights.float(), ids, False)
+
+        row = {"k": k, "tokens": tokens}
+        if layer is None:
+            row["ours"] = weights_per_forward / median_seconds(run_ours, repeats, CPU) / 1e9
+        else:
             theirs = layer.forward(x, weights, ids)
-            row["exllamav3"] = weights_per_forward / median_seconds(
-                lambda: layer.forward(x, weights, ids), repeats, CPU) / 1e9
-            row["ratio"] = row["ours"] / row["exllamav3"]
+            ours_s, theirs_s, row["ratio"] = paired_seconds(run_ours, lambda: layer.forward(x, weights, ids), repeats)
+            row["ours"] = weights_per_forward / ours_s / 1e9
+            row["exllamav3"] = weights_per_forward / theirs_s / 1e9
             row["max_rel_diff"] = float((ours - theirs).abs().max() / theirs.abs().max())
         rows.append(row)
     if layer is not None:

@@ -18,14 +18,15 @@ from vllm_expert_offload.kernels.expert_blocks import per_row_blocks
 from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 
 from support import exl3_reference as ref
+from support.cpu_isa import ISAS, use_isa
 from support.layers import make_layer
 from support.moe_layers import ALL_RATES, decode_with_kernel
 from support.torch_rounding import torch_addcmul_fuses
 
-ISAS = ("baseline", "avx2", "avx512")
 # __builtin_cpu_supports("x86-64-v3" / "x86-64-v4") in /proc/cpuinfo's names.
 LEVEL_FLAGS = {
-    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    # the AVX-512 copy also needs VBMI's byte permutes and VNNI's byte sums; without them the AVX2 copy runs
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni"},
     "avx2": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
 }
 
@@ -69,11 +70,7 @@ def _decode_one_row_blocks(layers: list) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, isa: str) -> None:
-    try:
-        extension.exl3_set_cpu_isa(isa)
-    except RuntimeError as exc:
-        assert "does not support" in str(exc)
-        pytest.skip(f"this CPU has no {isa}")
+    use_isa(extension, isa)
     assert cpu_exl3.cpu_kernel_isa() == isa
     cases = ALL_RATES
     layers = [parse_linear(make_layer(k, cb, 128, 128, seed=i)) for i, (k, cb) in enumerate(cases)]
@@ -92,6 +89,20 @@ def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, i
     for k in (2, 3.5):
         compiled = encode_tiles(targets, k, Codebook.MUL1, viterbi="compiled")
         assert torch.equal(compiled, encode_tiles(targets, k, Codebook.MUL1, viterbi="torch")), k
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_state_of_every_codebook_decodes_to_the_table_on_every_isa(extension, isa: str) -> None:
+    """The SIMD copies compute the codebooks (byte sums, Veltkamp's rounding to fp16) instead of reading the
+    tables: all 65536 states, so the rare byte sums and fp16 ties no random trellis reaches are covered too."""
+    use_isa(extension, isa)
+    values = cpu_exl3.codebook_values()
+    for code, table in enumerate(values):
+        got = extension.exl3_codebook_states(code, values)
+        assert torch.equal(got.view(torch.int32), table.view(torch.int32)), (isa, code)
+        assert torch.equal(got.half().float(), got), (isa, code)  # fp16 values, as decode.py's
+    with pytest.raises(RuntimeError, match="unknown codebook id 3"):
+        extension.exl3_codebook_states(3, values)
 
 
 def test_unknown_isa_refused(extension) -> None:

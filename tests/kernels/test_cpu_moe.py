@@ -19,10 +19,10 @@ from vllm_expert_offload.kernels.cpu_moe import CpuMoE, Exl3MoeJob, abi
 from vllm_expert_offload.kernels.matrix_table import CODEBOOK_IDS
 
 from support import exl3_reference as ref
+from support.cpu_isa import ISAS, use_isa
 from support.layers import make_layer
 from support.moe_layers import ALL_RATES, FULL, HIDDEN, TIERS, assert_close_to_reference, placed_moe, routing
 
-ISAS = ("baseline", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +38,7 @@ def extension() -> Iterator[object]:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_tile_routine_decodes_every_rate_exactly(extension, isa: str) -> None:
-    try:
-        extension.exl3_set_cpu_isa(isa)
-    except RuntimeError as exc:
-        assert "does not support" in str(exc)
-        pytest.skip(f"this CPU has no {isa}")
+    use_isa(extension, isa)
     values = cpu_exl3.codebook_values()
     for i, (k, cb) in enumerate(ALL_RATES):
         layer = parse_linear(make_layer(k, cb, 128, 128, seed=i))

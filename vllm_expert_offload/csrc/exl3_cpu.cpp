@@ -59,7 +59,7 @@ struct MatmulArgs {
 
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("arch=x86-64-v4")  // AVX-512 F/BW/CD/DQ/VL, AVX2, FMA
+#pragma GCC target("arch=x86-64-v4,avx512vbmi,avx512vnni")  // AVX-512 F/BW/CD/DQ/VL + VBMI + VNNI, AVX2, FMA
 namespace avx512 {
 #define EXL3_ISA 2  // GCC's target pragma does not define __AVX512F__ & co., so the .inc is told which copy it is
 #include "exl3_matmul.inc"
@@ -97,7 +97,11 @@ constexpr std::array<const char*, 3> kIsaNames = {"baseline", "avx2", "avx512"};
 bool supported(Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (isa == Isa::kAvx512) return __builtin_cpu_supports("x86-64-v4");
+  // AVX-512 without VBMI's byte permutes or VNNI's byte sums (Skylake-SP, Cascade Lake) runs the AVX2 copy
+  if (isa == Isa::kAvx512) {
+    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512vnni");
+  }
   if (isa == Isa::kAvx2) return __builtin_cpu_supports("x86-64-v3");
 #endif
   return isa == Isa::kBaseline;
@@ -116,9 +120,11 @@ struct IsaKernels {
   void (*hadamard_row)(float*, int64_t, const float*, const float*);
   void (*silu_and_mul_row)(float*, const float*, int64_t, int64_t, int64_t, bool, float);
   void (*encode_tiles)(const float*, int64_t, const int32_t*, const float*, int64_t*);
+  void (*codebook_states)(int, const float*, float*);
 };
 
-#define EXL3_KERNELS(ns) {ns::matmul, ns::matmul_block, ns::hadamard_row, ns::silu_and_mul_row, ns::encode_tiles}
+#define EXL3_KERNELS(ns) \
+  {ns::matmul, ns::matmul_block, ns::hadamard_row, ns::silu_and_mul_row, ns::encode_tiles, ns::codebook_states}
 
 const IsaKernels& kernels() {
   static const IsaKernels by_isa[] = {  // in Isa order
@@ -366,6 +372,17 @@ std::vector<int64_t> exl3_moe_host_abi() {
           static_cast<int64_t>(sizeof(Exl3MoeHostJob))};
 }
 
+// Test hook: the weight each of the 65536 states decodes to under `codebook`, as the active ISA's kernels
+// compute it (the SIMD copies compute the codebook instead of reading the tables: this must be the tables).
+at::Tensor exl3_codebook_states(int64_t codebook, const at::Tensor& values) {
+  TORCH_CHECK(codebook >= 0 && codebook <= 2, "unknown codebook id ", codebook);
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.numel() == 3 * kStates,
+              "values must be the (3, 65536) fp32 codebook tables");
+  at::Tensor out = at::empty({kStates}, values.options());
+  kernels().codebook_states(static_cast<int>(codebook), values.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
 // The C ABI's entry points, for callers without Python (a CUDA host function): their addresses, the job
 // struct's size, and the handle of a layer.
 std::vector<int64_t> exl3_moe_abi() {
@@ -387,6 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_moe_forward", &exl3_moe_forward, py::call_guard<py::gil_scoped_release>(),
         "The layer's routed-expert forward for a batch (ids -1 skipped), fp32");
   m.def("exl3_moe_matmul", &exl3_moe_matmul, "Test hook: a @ W_hat through the MoE forward's tile routine");
+  m.def("exl3_codebook_states", &exl3_codebook_states, "Test hook: every state's weight under one codebook");
   m.def("exl3_moe_abi", &exl3_moe_abi, "(exl3_moe_submit address, exl3_moe_wait address, sizeof(Exl3MoeJob))");
   m.def("exl3_moe_host_abi", &exl3_moe_host_abi,
         "(exl3_moe_host_submit address, exl3_moe_host_wait address, sizeof(Exl3MoeHostJob)): cudaHostFn_t's");
