@@ -25,6 +25,7 @@ from ..startup.crash_line import install_crash_line
 from ..startup.data_parallel import install_dummy_batch_flag
 from ..startup.profiling import install_profile_flag
 from .expert_loading import ExpertLoading
+from .gathered_rows import gathered_capture_rows
 from .moe_runtime import MoERuntime
 from .op_targets import register_op_target
 
@@ -153,7 +154,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             layer=layer, op_name=register_op_target(layer.layer_name, self), layer_index=int(match.group(1)),
             geometry=geometry, device=device, kernels=kernels, params_dtype=params_dtype,
             num_local_experts=num_experts, top_k=top_k, swiglu_limit=self.moe.swiglu_limit, summary=summary,
-            placement=placement, capture_rows=self.quant_config.capture_sizes(),
+            placement=placement, capture_rows=gathered_capture_rows(self.quant_config.capture_sizes(), parallel),
         )
         self.loading.register()
 
