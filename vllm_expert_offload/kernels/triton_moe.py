@@ -246,7 +246,7 @@ def moe_down_kernel(
         if not ROUTE_ON_INPUT:
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
-        out_rows = out_ptr + (part * num_slots + rows[:, None]) * size_n
+        out_rows = out_ptr + (part * num_slots + rows[:, None]).to(tl.int64) * size_n  # slots x hidden >= 2^31
         store_rotated(out_rows, row_ok, n0, acc, signs, svh_down_ptr + matrix * size_n, DOT_FP16, route)
         if second:
             store_rotated(out_rows, row_ok, n0 + 128, acc_second, signs, svh_down_ptr + matrix * size_n, DOT_FP16,
@@ -257,7 +257,8 @@ def moe_down_kernel(
 def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_n, hidden, out_ptr, stride_om,
                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype; a slot of expert -1
-    (not this rank's) adds nothing: no kernel wrote its rows."""
+    (not this rank's) adds nothing: no kernel wrote its rows. Row offsets are int64: a prefill of 37k tokens at
+    top-8 and hidden 7168 has more than 2^31 floats of y."""
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -265,8 +266,8 @@ def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_
     for j in range(TOP_K):
         width = tl.where(tl.load(ids_ptr + token * stride_i0 + j * stride_i1) >= 0, hidden, 0)
         for part in range(parts):
-            acc += tl.load(y_ptr + (part * num_slots + token * TOP_K + j) * size_n + offs, mask=offs < width,
-                           other=0.0)
+            row = (part * num_slots + token * TOP_K + j).to(tl.int64)  # slots x hidden reaches 2^31 in a prefill
+            acc += tl.load(y_ptr + row * size_n + offs, mask=offs < width, other=0.0)
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
