@@ -1,5 +1,7 @@
-"""What an engine counts under data parallelism: its own rows of the batch vLLM gathered from every engine (in DP
-rank order, the step's dp_metadata sizes), and nothing while it runs a dummy batch for the others' collectives."""
+"""What an engine counts: under data parallelism its own rows of the batch vLLM gathered from every engine (in DP
+rank order, the step's dp_metadata sizes); never a padding row (a captured size's tail, every row of a dummy batch an
+idle engine runs for the others' collectives). Padding is vLLM's device mask `forward_context.is_padding`, read as
+data, so a replayed CUDA graph sees each step's (issue #38 item 7: a Python flag was frozen at capture)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_expert_offload.integration.startup import data_parallel
-from vllm_expert_offload.offload.phase import dummy_batch, dummy_batch_pass
+from vllm_expert_offload.integration.methods import gathered_rows as data_parallel
+from vllm_expert_offload.offload.process import ProcessPlacement
 
+from support.moe_layers import NoHostSync
 from support.moe_runtimes import runtime
 
 
-def _step(monkeypatch, sizes: list[int] | None) -> None:
+def _step(monkeypatch, sizes: list[int] | None, padding: list[bool] | None = None) -> None:
     import vllm.forward_context
 
     metadata = SimpleNamespace(get_chunk_sizes_across_dp_rank=lambda: sizes)
-    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(dp_metadata=metadata))
+    mask = None if padding is None else torch.tensor(padding)
+    monkeypatch.setattr(vllm.forward_context, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context",
+                        lambda: SimpleNamespace(dp_metadata=metadata, is_padding=mask))
 
 
 def test_each_engine_takes_its_own_rows_in_rank_order() -> None:
@@ -35,30 +41,58 @@ def test_a_batch_that_does_not_split_into_the_engines_shares_is_refused(sizes) -
         data_parallel.own_rows(torch.zeros(7, 2), sizes, 1, 3)
 
 
-def test_dummy_batches_run_under_the_flag() -> None:
-    from vllm.v1.worker.gpu_worker import Worker
-
-    data_parallel.install_dummy_batch_flag()
-    data_parallel.install_dummy_batch_flag()  # idempotent: one wrapper
-    seen = []
-    runner = SimpleNamespace(_dummy_run=lambda *args, **kwargs: seen.append(dummy_batch()))
-    Worker.execute_dummy_batch(SimpleNamespace(model_runner=runner, randomize_dummy_inputs=False))
-    assert seen == [True] and not dummy_batch()
+def _counts(layers: int, experts: int) -> SimpleNamespace:
+    """ProcessPlacement's counting state alone: one row per layer."""
+    return SimpleNamespace(counts=torch.zeros(layers, experts, dtype=torch.int64), row=lambda layer: layer)
 
 
-def _engine_layer(recorded: list):
-    """Layer 3 of DP rank 1 of 2 (no EP: every expert, as the engine test's other half covers EP)."""
-    return runtime(torch.ones(8, dtype=torch.bool), layer_index=3, recording=True, dp_rank=1, dp_size=2,
-                   record=lambda layer, ids: recorded.append((layer, ids.tolist())))
+def test_record_adds_only_real_rows() -> None:
+    placement = _counts(1, 6)
+    ids = torch.tensor([[0, 1], [1, 5], [5, 5]])
+    ProcessPlacement.record(placement, 0, ids, torch.tensor([True, False, True]))
+    assert placement.counts[0].tolist() == [1, 1, 0, 0, 0, 2]
+    ProcessPlacement.record(placement, 0, ids)  # no mask: every row
+    assert placement.counts[0].tolist() == [2, 3, 0, 0, 0, 5]
 
 
-def test_the_moe_forward_counts_its_engines_rows_and_no_dummy_batch(monkeypatch) -> None:
-    recorded = []
-    layer = _engine_layer(recorded)
-    gathered = torch.tensor([[0, 1], [2, 3], [4, 5]])  # engine 0's two tokens, then this engine's one
-    _step(monkeypatch, [2, 1])
-    layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
-    assert recorded == [(3, [[4, 5]])]
-    with dummy_batch_pass():  # this engine's row is a dummy token: nothing of it is counted
-        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
-    assert recorded == [(3, [[4, 5]])]
+def _engine_layer(**placement):
+    """Layer 3 of DP rank 1 of 2 (no EP: every expert, as the engine test's other half covers EP), counting."""
+    counting = _counts(4, 8)
+    fields = {"recording": True, "dp_rank": 1, "dp_size": 2, "record": lambda layer, ids, real=None: (
+        ProcessPlacement.record(counting, layer, ids, real))} | placement
+    return runtime(torch.ones(8, dtype=torch.bool), layer_index=3, **fields), counting.counts[3]
+
+
+def test_the_moe_forward_counts_its_engines_real_rows_only(monkeypatch) -> None:
+    layer, counts = _engine_layer()
+    gathered = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # engine 0's two tokens, then this engine's two
+    _step(monkeypatch, [2, 2], [False, True])  # this engine's second row is padding
+    layer.forward(torch.zeros(4, 4), torch.full((4, 2), 0.5), gathered)
+    assert counts.tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    _step(monkeypatch, [2, 2], [True, True])  # a dummy batch: every row of this engine is padding
+    layer.forward(torch.zeros(4, 4), torch.full((4, 2), 0.5), gathered)
+    assert counts.tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    # the other engine's rows reach the kernel untouched (their padding is that engine's to know)
+    assert layer.kernel.calls[-1][1].tolist() == gathered.tolist()
+
+
+def test_without_data_parallelism_padding_rows_reach_nothing(monkeypatch) -> None:
+    """One engine: padding rows' ids are -1 for the kernel (it skips them), the read counters and the routing
+    statistics; every step device work (no host synchronisation: a captured graph replays it with the next
+    step's mask)."""
+    layer, counts = _engine_layer(dp_size=1, dp_rank=0)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    _step(monkeypatch, None, [False, False, True])
+    with NoHostSync():
+        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), ids)
+    assert layer.kernel.calls[-1][1].tolist() == [[0, 1], [2, 3], [-1, -1]]
+    assert counts.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    reads = layer.placement.tier_counters.counts[0]
+    assert reads[:2].tolist() == [4, 0]  # GPU reads, host reads: the padding row's two are not counted
+
+
+def test_a_mask_that_does_not_cover_the_batch_is_refused(monkeypatch) -> None:
+    layer, _ = _engine_layer(dp_size=1, dp_rank=0)
+    _step(monkeypatch, None, [False, True])
+    with pytest.raises(data_parallel.GatheredBatchError, match=r"is_padding covers 2 rows, .* is 3"):
+        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), torch.zeros((3, 2), dtype=torch.int64))

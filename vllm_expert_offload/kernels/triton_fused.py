@@ -15,6 +15,7 @@ tensor-core product with the decoded weights, as exllamav3 rounds it.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -172,6 +173,23 @@ def split_for(steps: int, programs: int, target: int) -> int:
         if steps % parts == 0 and programs * parts >= target:
             return parts
     return steps
+
+
+# Shared memory a block may use (the opt-in maximum Triton checks a launch against) on the targets the static report
+# compiles for: sm_90 (H100/H200) and sm_120 (RTX PRO 6000 Blackwell, RTX 50 series).
+SHARED_PER_BLOCK = {90: 232_448, 120: 101_376}
+
+
+@functools.cache
+def shared_per_block(device: torch.device) -> int | None:
+    """The device's shared memory per block, as Triton's launcher reads it (OutOfResources beyond it); None
+    off CUDA (the interpreter stages nothing)."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def fill_target(device: torch.device) -> int:

@@ -41,6 +41,7 @@ piece). Without one the kernels are compiled without the copy and cost nothing m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -56,8 +57,9 @@ from .launch_ops import register_launch
 from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_fused import (HALF, MATMUL_WARPS, PIECE, WORKSPACES, fill_target, hadamard_signs, load_row_halves,
-                           load_vector_halves, rotated_pieces, split_for, write_through)
+from .triton_fused import (HALF, MATMUL_WARPS, PIECE, SHARED_PER_BLOCK, WORKSPACES, fill_target, hadamard_signs,
+                           load_row_halves, load_vector_halves, rotated_pieces, shared_per_block, split_for,
+                           write_through)
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES
 from .triton_prefill import DequantizedPrefill
 from .triton_moe_steps import (activation, activation_args, activation_rows, matrix_facts, store_activation,
@@ -246,7 +248,7 @@ def moe_down_kernel(
         if not ROUTE_ON_INPUT:
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
-        out_rows = out_ptr + (part * num_slots + rows[:, None]) * size_n
+        out_rows = out_ptr + (part * num_slots + rows[:, None]).to(tl.int64) * size_n  # slots x hidden >= 2^31
         store_rotated(out_rows, row_ok, n0, acc, signs, svh_down_ptr + matrix * size_n, DOT_FP16, route)
         if second:
             store_rotated(out_rows, row_ok, n0 + 128, acc_second, signs, svh_down_ptr + matrix * size_n, DOT_FP16,
@@ -257,7 +259,8 @@ def moe_down_kernel(
 def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_n, hidden, out_ptr, stride_om,
                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype; a slot of expert -1
-    (not this rank's) adds nothing: no kernel wrote its rows."""
+    (not this rank's) adds nothing: no kernel wrote its rows. Row offsets are int64: a prefill of 37k tokens at
+    top-8 and hidden 7168 has more than 2^31 floats of y."""
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -265,9 +268,35 @@ def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_
     for j in range(TOP_K):
         width = tl.where(tl.load(ids_ptr + token * stride_i0 + j * stride_i1) >= 0, hidden, 0)
         for part in range(parts):
-            acc += tl.load(y_ptr + (part * num_slots + token * TOP_K + j) * size_n + offs, mask=offs < width,
-                           other=0.0)
+            row = (part * num_slots + token * TOP_K + j).to(tl.int64)  # slots x hidden reaches 2^31 in a prefill
+            acc += tl.load(y_ptr + row * size_n + offs, mask=offs < width, other=0.0)
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# moe_gate_up_kernel's shared memory, bytes (Triton 3.9's allocation, AOT-compiled for sm_120, the decode variants at
+# K = 1, 4, 5, 8 and 2 or 3 stages; tests/kernels/test_pipeline_stages.py compiles the tightest case): a base, and per
+# pipeline stage beyond the first a copy of one K step's loads, the x halves and 2 KiB per trellis bit of a weight
+# (fp32 models: 36,864 + (stages - 1) * (12,288 + 4,096 K); half precision: 18,432 + (stages - 1) * (4,096 + 4,096 K)).
+_GATE_UP_BASE = {True: 18_432, False: 36_864}  # by DOT_FP16
+_GATE_UP_X_STAGE = {True: 4_096, False: 12_288}
+MAX_STAGES = 3  # Triton's default: the loop's loads issued two steps ahead
+
+
+def gate_up_shared_bytes(twice_k: int, dot_fp16: bool, stages: int) -> int:
+    """moe_gate_up_kernel's shared memory at `stages` for the widest rate `twice_k` (2K) it decodes."""
+    return _GATE_UP_BASE[dot_fp16] + (stages - 1) * (_GATE_UP_X_STAGE[dot_fp16] + 2_048 * twice_k)
+
+
+def gate_up_stages(twice_k_gate: int, twice_k_up: int, dot_fp16: bool, limit: int | None) -> int:
+    """Pipeline stages of moe_gate_up_kernel: the deepest (at most MAX_STAGES) whose shared memory fits the
+    device's `limit` per block (None: no limit, the interpreter). A mixed table (2K of 0: read per matrix) may hold
+    K = 8. Why: at Triton's default of 3, an fp32 model's gate/up needs 102,400 B at K = 5 and 126,976 B at K = 8,
+    more than sm_120's 101,376 B: the launch would fail with OutOfResources in vLLM's profile run."""
+    widest = max(twice_k_gate or 16, twice_k_up or 16)
+    for stages in range(MAX_STAGES, 1, -1):
+        if limit is None or gate_up_shared_bytes(widest, dot_fp16, stages) <= limit:
+            return stages
+    return 1
 
 
 def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
@@ -290,6 +319,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
         DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, FILL=fill, FINISH=parts == 1, **activation,
         num_warps=MATMUL_WARPS,
+        num_stages=gate_up_stages(twice_k_gate, twice_k_up, dot_fp16, shared_per_block(x.device)),
     )
 
 
@@ -472,6 +502,15 @@ def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None, **prefill: 
 _TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 
+def _per_target_stages(twice_k: int, dot_fp16: bool) -> list[tuple[int, Callable[[int], bool] | None]]:
+    """(stages, the targets launching them) of moe_gate_up at this rate: one variant where every target's shared
+    memory takes the same stages, else one per target (`gate_up_stages` with its SHARED_PER_BLOCK)."""
+    chosen = {cap: gate_up_stages(twice_k, twice_k, dot_fp16, limit) for cap, limit in SHARED_PER_BLOCK.items()}
+    if len(set(chosen.values())) == 1:
+        return [(next(iter(chosen.values())), None)]
+    return [(stages, lambda capability, cap=cap: capability == cap) for cap, stages in chosen.items()]
+
+
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
     dtype at decode (1 token: one program per slot, the input split) and, for fp16, as a prefill's experts with few
@@ -495,11 +534,12 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                        **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
                        "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32",
                        "suh_down_ptr": "*fp16", "keep_ptr": "*fp32", "swiglu_limit": "fp32"}
-            kernels.append(StaticKernel(
-                f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
-                {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
-                 "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS, 3, 2 * 2 * PIECE * PIECE,
-                dtype=dtype, trellis_arg="gate_trellis"))
+            for stages, launched_on in _per_target_stages(twice_k, dtype != "fp32"):
+                kernels.append(StaticKernel(
+                    f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
+                    {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
+                     "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS, stages,
+                    2 * 2 * PIECE * PIECE, dtype=dtype, trellis_arg="gate_trellis", launched_on=launched_on))
             down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
                     "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16", "swiglu_limit": "fp32",
                     **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32",

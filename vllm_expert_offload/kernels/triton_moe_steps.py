@@ -38,7 +38,7 @@ def activation_rows(partial_ptr, rows, width, DOT_FP16: tl.constexpr):
         base = partial_ptr.to(tl.pointer_type(tl.float16))
     else:
         base = partial_ptr
-    return base + rows[:, None] * width
+    return base + rows[:, None].to(tl.int64) * width  # int64: slots x width passes 2^31 in long prefills
 
 
 @triton.jit

@@ -108,7 +108,7 @@ def grouped_down_kernel(
         if not ROUTE_ON_INPUT:
             route = tl.load(route_ptr + (rows // TOP_K) * stride_r0 + (rows % TOP_K) * stride_r1, mask=row_ok,
                             other=0.0)
-        store_rotated(out_ptr + rows[:, None] * size_n, row_ok, n0, acc, hadamard_signs(_PIECE),
+        store_rotated(out_ptr + rows[:, None].to(tl.int64) * size_n, row_ok, n0, acc, hadamard_signs(_PIECE),
                       svh_down_ptr + matrix * size_n, DOT_FP16, route)
 
 

@@ -1,6 +1,7 @@
-"""Whether this process is inside vLLM's memory-profiling pass, or a data-parallel dummy batch: flags the startup
-hooks raise around them (integration/startup/profiling.py, data_parallel.py) and that layer code and backends read,
-so neither reaches up into the hooks.
+"""Whether this process is inside vLLM's memory-profiling pass: a flag the startup hook raises around it
+(integration/startup/profiling.py) and that layer code and backends read, so neither reaches up into the hook. (The
+profiling pass runs eagerly, before any CUDA-graph capture; per-step facts a replayed graph must see, such as which
+rows are padding, are device data instead: integration/methods/moe_runtime.py.)
 
 While the profiling flag is up the MoE path shows vLLM its worst case (every expert, host tier included) and kernels that tune or
 allocate on first use do it then, before any CUDA-graph capture.
@@ -31,7 +32,6 @@ class _Phase:
 
 
 _PROFILING = _Phase()
-_DUMMY_BATCH = _Phase()
 
 
 def profiling() -> bool:
@@ -40,13 +40,3 @@ def profiling() -> bool:
 
 def profiling_pass() -> contextlib.AbstractContextManager[None]:
     return _PROFILING.raised()
-
-
-def dummy_batch() -> bool:
-    """Whether this process is inside a data-parallel dummy batch: an engine with no request of its own steps
-    anyway, so the other engines' MoE collectives meet; its tokens are no one's and are never counted."""
-    return bool(_DUMMY_BATCH)
-
-
-def dummy_batch_pass() -> contextlib.AbstractContextManager[None]:
-    return _DUMMY_BATCH.raised()

@@ -200,10 +200,12 @@ class ProcessPlacement:
     def in_gpu_tier(self, layer: int, expert: int) -> bool:
         return bool(self.gpu_tier[self.row(layer), expert])
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Count selections on the device (no host sync, so it is safe inside CUDA graphs)."""
-        ids = topk_ids.reshape(-1).long()
-        self.counts[self.row(layer)].index_add_(0, ids, torch.ones_like(ids))
+    def record(self, layer: int, topk_ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """Count selections on the device (no host sync, so it is safe inside CUDA graphs); `real` (bool, one per
+        row of topk_ids): only those rows count (vLLM's padding rows add 0), all where None."""
+        ids = topk_ids.long()
+        weight = torch.ones_like(ids) if real is None else real[:, None].long().expand_as(ids)
+        self.counts[self.row(layer)].index_add_(0, ids.reshape(-1), weight.reshape(-1))
 
     def discard_startup_counts(self) -> None:
         """Zero what startup routed (vLLM's warm-up runs, the readiness smoke), once, when the plugin hands the

@@ -73,6 +73,34 @@ def compile_kernel(kernel: StaticKernel, capability: int) -> Compiled:
     return Compiled(compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.shared, get_ptxas(capability).path)
 
 
+def shared_bytes(kernel: StaticKernel, capability: int) -> int:
+    """The shared memory Triton allocates for `kernel` on `capability`, from its compile up to LLVM IR: no PTX, no
+    ptxas, so checking a variant against a target's limit costs a fraction of `compile_kernel` (the same
+    `metadata.shared` a full compile reports)."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", capability, 32)
+    signature = dict(kernel.signature) | {name: "constexpr" for name in kernel.constexprs}
+    source = ASTSource(fn=kernel.fn, signature=signature, constexprs=dict(kernel.constexprs),
+                       attrs=_alignment_attrs(kernel))
+    backend = triton.compiler.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, **kernel.options})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+    stages: dict = {}
+    backend.add_stages(stages, options, source.language)
+    metadata: dict = {}
+    for stage in ("ttir", "ttgir", "llir"):
+        module = stages[stage](module, metadata)
+    return int(metadata["shared"])
+
+
 def ptxas_usage(compiled: Compiled) -> dict[str, int]:
     """registers and spill bytes from `ptxas -v`, run as Triton runs it (-lineinfo, --regAllocOptLevel=2)."""
     gpu_name = re.search(r"^\.target\s+(\w+)", compiled.ptx, re.M).group(1)
@@ -171,12 +199,32 @@ def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], sha
     return targets
 
 
-def compile_report(provider: str, shapes: Iterable[LayerShape]) -> dict:
-    """`compile_targets` of `provider` ("module:function" or "file.py:function", shape -> list[StaticKernel]) in a
-    child Python with Triton's compiler, whatever mode this process runs Triton in."""
-    return run_json(__name__, [provider, json.dumps([asdict(s) for s in shapes])], triton_interpret=False)
+def shared_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
+    """{"sm_90": {"<model>/<kernel>": shared bytes}, ...}: `shared_bytes` of every variant each target launches."""
+    done: dict[tuple, int] = {}
+    targets = {}
+    for target, capability in TARGETS.items():
+        sizes = {}
+        for shape in shapes:
+            for kernel in _launched(kernels_for(shape), shape, target, capability):
+                key = _kernel_key(kernel, capability)
+                if key not in done:
+                    done[key] = shared_bytes(kernel, capability)
+                sizes[f"{shape.model}/{kernel.name}"] = done[key]
+        targets[target] = sizes
+    return targets
+
+
+_MODES = {"compile": compile_targets, "shared": shared_targets}
+
+
+def compile_report(provider: str, shapes: Iterable[LayerShape], mode: str = "compile") -> dict:
+    """`compile_targets` (mode "compile") or `shared_targets` ("shared") of `provider` ("module:function" or
+    "file.py:function", shape -> list[StaticKernel]) in a child Python with Triton's compiler, whatever mode this
+    process runs Triton in."""
+    return run_json(__name__, [mode, provider, json.dumps([asdict(s) for s in shapes])], triton_interpret=False)
 
 
 if __name__ == "__main__":
-    _shapes = [LayerShape(**s) for s in json.loads(sys.argv[2])]
-    print(json.dumps(compile_targets(resolve(sys.argv[1]), _shapes)))
+    _shapes = [LayerShape(**s) for s in json.loads(sys.argv[3])]
+    print(json.dumps(_MODES[sys.argv[1]](resolve(sys.argv[2]), _shapes)))

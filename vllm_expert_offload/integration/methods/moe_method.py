@@ -22,9 +22,9 @@ from ...offload.cache_policy import CacheSettings
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
 from ..startup.crash_line import install_crash_line
-from ..startup.data_parallel import install_dummy_batch_flag
 from ..startup.profiling import install_profile_flag
 from .expert_loading import ExpertLoading
+from .gathered_rows import gathered_capture_rows
 from .moe_runtime import MoERuntime
 from .op_targets import register_op_target
 
@@ -147,13 +147,11 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         placement = _process_placement(self.quant_config, geometry, _rank_experts(layer, parallel), parallel, top_k,
                                        device, kernels)
         install_profile_flag()
-        if placement.recording and parallel.dp_size > 1:
-            install_dummy_batch_flag()
         self.loading = ExpertLoading(
             layer=layer, op_name=register_op_target(layer.layer_name, self), layer_index=int(match.group(1)),
             geometry=geometry, device=device, kernels=kernels, params_dtype=params_dtype,
             num_local_experts=num_experts, top_k=top_k, swiglu_limit=self.moe.swiglu_limit, summary=summary,
-            placement=placement, capture_rows=self.quant_config.capture_sizes(),
+            placement=placement, capture_rows=gathered_capture_rows(self.quant_config.capture_sizes(), parallel),
         )
         self.loading.register()
 

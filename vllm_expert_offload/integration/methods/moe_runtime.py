@@ -4,9 +4,11 @@
 inputs, the expert-parallel map) and runs the forward as a short sequence of named steps, in this order:
 
   profiling    while vLLM profiles memory: every slot on one of this rank's experts, then the kernel (worst case)
+  _padding     which of this engine's rows are padding (vLLM's forward_context.is_padding)
   _rows        under data parallelism this engine's own rows of the batch every engine's tokens were gathered into
-  _record      routing statistics of those rows (never of a dummy batch)
+  _record      routing statistics of those rows, padding rows weighted 0
   _to_local    global expert ids -> this rank's (expert parallelism; another rank's expert is -1, weight 0)
+  _drop_padding  without data parallelism, padding rows' ids -> -1: nothing reads, counts or caches for them
   _start_cpu_tier  the CPU tier (expert_offload.cpu_tier): host-resident misses split off and computed by host
                cores; their entries are -1 for the device (cpu_tier_step.py)
   _count_reads reads by tier for /metrics, before the cache's step moves experts
@@ -15,6 +17,13 @@ inputs, the expert-parallel map) and runs the forward as a short sequence of nam
   _check_ranks the rank-check debug mode: every TP rank's expert cache compared after the step
 
 A new step is one method and one line in `forward`.
+
+Every step is device work: vLLM captures this forward in CUDA graphs and replays it for padded batches and for a
+data-parallel engine's dummy batches, so whether a row is real is read from the device, from the model runner's
+persistent `is_padding` buffer (vLLM 0.32/0.33, V1 and V2 runners: filled before every step, all True in dummy runs
+and captures), never from a Python flag the capture would freeze. Under data parallelism only this engine's rows
+have a mask (vLLM gathers tokens, not the mask), so there padding is kept out of the routing statistics only; the
+kernel, the read counters and the cache see every engine's rows, identically on every rank.
 """
 
 from __future__ import annotations
@@ -27,10 +36,10 @@ from vllm import forward_context
 from ...kernels.contract import MoEKernel
 from ...kernels.expert_slots import ExpertSlots
 from ...kernels.pointer_tables import PointerTables
-from ...offload.phase import dummy_batch, profiling
+from ...offload.phase import profiling
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
-from ..startup.data_parallel import own_rows
+from .gathered_rows import GatheredBatchError, own_rows
 from ..startup.profiling import spread_routing
 from ...kernels.stream_host_tier import PendingPartial
 from .cpu_tier_step import CpuTierStep
@@ -60,8 +69,10 @@ class MoERuntime:
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if profiling():
             return self._worst_case(x, topk_weights, topk_ids)
-        self._record(self._rows(topk_ids))
+        padding = self._padding()
+        self._record(self._rows(topk_ids), padding)
         topk_weights, ids = self._to_local(topk_weights, topk_ids)
+        ids = self._drop_padding(ids, padding)
         ids, cpu_partial = self._start_cpu_tier(x, topk_weights, ids)
         self._count_reads(ids)
         out = self.kernel.forward(x, topk_weights, ids, self.apply_router_weight_on_input)
@@ -77,7 +88,7 @@ class MoERuntime:
 
     def _rows(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """This engine's rows: under data parallelism (naive dispatch) the batch holds every engine's, in DP rank
-        order, as many of each as the step's dp_metadata says (startup/data_parallel.py)."""
+        order, as many of each as the step's dp_metadata says (gathered_rows.py)."""
         placement = self.placement
         if not placement.recording or placement.dp_size == 1:
             return topk_ids
@@ -85,10 +96,33 @@ class MoERuntime:
         sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
         return own_rows(topk_ids, sizes, placement.dp_rank, placement.dp_size)
 
-    def _record(self, topk_ids: torch.Tensor) -> None:
-        """Routing statistics, on the device; a DP engine's dummy batch carries no one's tokens."""
-        if self.placement.recording and not dummy_batch():
-            self.placement.record(self.layer_index, topk_ids)
+    @staticmethod
+    def _padding() -> torch.Tensor | None:
+        """bool (this engine's rows,): True on padding rows (a captured size's tail, every row of a dummy batch),
+        read from the device by a replayed graph; None outside a vLLM step (tests, benchmarks: every row is real)."""
+        if not forward_context.is_forward_context_available():
+            return None
+        return forward_context.get_forward_context().is_padding
+
+    def _record(self, topk_ids: torch.Tensor, padding: torch.Tensor | None) -> None:
+        """Routing statistics of this engine's real rows, on the device (padding rows add 0)."""
+        if not self.placement.recording:
+            return
+        if padding is not None and padding.shape[0] != topk_ids.shape[0]:
+            raise GatheredBatchError(f"{self.op_name}: vLLM's is_padding covers {padding.shape[0]} rows, this "
+                                     f"engine's share of the batch is {topk_ids.shape[0]}")
+        self.placement.record(self.layer_index, topk_ids, None if padding is None else ~padding)
+
+    def _drop_padding(self, local_ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        """Without data parallelism, padding rows' ids are -1 (what the kernel skips and no counter or cache
+        sees); every TP rank has the same mask. Under DP the batch holds other engines' rows, whose mask this
+        engine does not have: kept as they are."""
+        if padding is None or self.placement.dp_size > 1:
+            return local_ids
+        if padding.shape[0] != local_ids.shape[0]:
+            raise GatheredBatchError(f"{self.op_name}: vLLM's is_padding covers {padding.shape[0]} rows, the MoE batch "
+                                     f"has {local_ids.shape[0]} (a gather other than data parallelism's)")
+        return torch.where(padding[:, None], -1, local_ids)
 
     def _to_local(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, int64 local ids): under expert parallelism another rank's expert is -1 with weight 0 (it is

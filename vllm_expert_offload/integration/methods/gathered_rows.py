@@ -1,0 +1,45 @@
+"""The rows of a MoE layer's batch when vLLM gathers every engine's tokens into it: how many at each batch size vLLM
+captures CUDA graphs for (the workspaces' reservation), and which of them are this engine's own (routing statistics,
+offload/engine_stats.py says why).
+
+vLLM's capture sizes count one engine's tokens, but a MoE layer under naive dispatch sees more: read against vLLM
+0.32/0.33 (`MoERunner._maybe_dispatch`, `AgRsAll2AllManager`), every data-parallel engine's batch is all-gathered
+before routing, in DP rank order, engine d contributing `sizes[d]` rows (the step's
+`dp_metadata.get_chunk_sizes_across_dp_rank()`; each padded to the same captured size, so DP engines replay the same
+graph; an idle engine's dummy batch is all padding in vLLM's `is_padding` mask, moe_runtime.py), a sequence-parallel MoE
+gathers each tensor-parallel rank's 1/sp chunk over the EP group, and prefill context parallelism all-gathers its
+ranks' tokens too. Workspaces reserved for one engine's rows would be too small inside the capture of a large
+batch at DP >= 2, where nothing may be allocated: the layer would fail at startup."""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+from ...errors import ExpertOffloadError
+
+
+def gathered_capture_rows(capture_sizes: tuple[int, ...], parallel: FusedMoEParallelConfig) -> tuple[int, ...]:
+    """The MoE layer's rows at each captured batch size n: each of the sp_size sequence-parallel ranks holds
+    ceil(n / sp_size) rows, and the gather stacks every (DP engine, PCP rank, SP rank)'s share; n itself without
+    any of them."""
+    sp = max(parallel.sp_size, 1)
+    ranks = parallel.dp_size * parallel.pcp_size * sp
+    return tuple(sorted({-(-n // sp) * ranks for n in capture_sizes}))
+
+
+class GatheredBatchError(ExpertOffloadError, RuntimeError):
+    """A gathered MoE batch that does not split into the engines' shares the step's DP metadata names."""
+
+
+def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """This engine's rows of `topk_ids` [gathered tokens, top_k], gathered from all `dp_size` engines, engine d
+    contributing `sizes[d]` rows (the step's `dp_metadata.get_chunk_sizes_across_dp_rank()`)."""
+    if sizes is None or len(sizes) != dp_size or sum(sizes) != topk_ids.shape[0]:
+        raise GatheredBatchError(
+            f"routing statistics under data parallelism: topk_ids of {topk_ids.shape[0]} gathered tokens do not "
+            f"split into {dp_size} engines' shares {sizes} (vLLM's dp_metadata); sequence-parallel MoE or another "
+            "dispatch than vLLM's naive all-gather is not supported with record_stats"
+        )
+    start = sum(sizes[:dp_rank])
+    return topk_ids[start: start + sizes[dp_rank]]
