@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_expert_offload.integration import vllm_hooks
 from vllm_expert_offload.integration.startup import data_parallel
-from vllm_expert_offload.offload.phase import dummy_batch, dummy_batch_pass
+from vllm_expert_offload.offload.phase import PHASE
 
 from support.moe_runtimes import runtime
 
@@ -38,12 +39,12 @@ def test_a_batch_that_does_not_split_into_the_engines_shares_is_refused(sizes) -
 def test_dummy_batches_run_under_the_flag() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    data_parallel.install_dummy_batch_flag()
-    data_parallel.install_dummy_batch_flag()  # idempotent: one wrapper
+    vllm_hooks.install_dummy_batch_flag()
+    vllm_hooks.install_dummy_batch_flag()  # idempotent: one wrapper
     seen = []
-    runner = SimpleNamespace(_dummy_run=lambda *args, **kwargs: seen.append(dummy_batch()))
+    runner = SimpleNamespace(_dummy_run=lambda *args, **kwargs: seen.append(PHASE.dummy_batch))
     Worker.execute_dummy_batch(SimpleNamespace(model_runner=runner, randomize_dummy_inputs=False))
-    assert seen == [True] and not dummy_batch()
+    assert seen == [True] and not PHASE.dummy_batch
 
 
 def _engine_layer(recorded: list):
@@ -59,6 +60,6 @@ def test_the_moe_forward_counts_its_engines_rows_and_no_dummy_batch(monkeypatch)
     _step(monkeypatch, [2, 1])
     layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
     assert recorded == [(3, [[4, 5]])]
-    with dummy_batch_pass():  # this engine's row is a dummy token: nothing of it is counted
+    with PHASE.dummy_batch_pass():  # this engine's row is a dummy token: nothing of it is counted
         layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), gathered)
     assert recorded == [(3, [[4, 5]])]

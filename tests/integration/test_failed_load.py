@@ -12,6 +12,7 @@ import torch
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.validate import validate_checkpoint
+from vllm_expert_offload.integration import vllm_hooks
 from vllm_expert_offload.integration.methods.quant_config import Exl3Config
 from vllm_expert_offload.integration.startup import failed_load
 from vllm_expert_offload.offload.options import OffloadOptions
@@ -33,13 +34,13 @@ def test_the_hook_matches_vllms_loader() -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     loader = inspect.unwrap(BaseModelLoader.load_model)
-    assert tuple(inspect.signature(loader).parameters) == failed_load.HOOK.params
+    assert tuple(inspect.signature(loader).parameters) == vllm_hooks.FAILED_LOAD.params
 
 
 def test_a_successful_load_passes_through() -> None:
     quant = Exl3Config.__new__(Exl3Config)
     quant.placement = "kept"
-    load = failed_load._wrap_load_model(lambda self, vllm_config, model_config, prefix: ("model", prefix))
+    load = failed_load.wrap_load_model(lambda self, vllm_config, model_config, prefix: ("model", prefix))
     assert load(None, FakeVllmConfig(quant), None, "p") == ("model", "p") and quant.placement == "kept"
 
 
@@ -58,7 +59,7 @@ def test_a_failed_load_releases_the_arena_before_the_error_propagates(tmp_path, 
         kept.append(view)  # a view that outlives the failure (as one in a traceback's frames would)
         raise Exl3FormatError("model.layers.1.mlp.experts.5.down_proj.suh: missing")
 
-    load = failed_load._wrap_load_model(loading_that_fails)
+    load = failed_load.wrap_load_model(loading_that_fails)
     with pytest.raises(Exl3FormatError, match="down_proj.suh: missing"):
         load(None, FakeVllmConfig(quant), None, "")
     (placement,) = made

@@ -12,6 +12,7 @@ import torch
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.validate import validate_checkpoint
 from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+from vllm_expert_offload.integration import vllm_hooks
 from vllm_expert_offload.integration.startup import worker_rpc
 from vllm_expert_offload.offload.options import OffloadOptions
 from vllm_expert_offload.offload.process import ProcessPlacement, StartupCountsSpent
@@ -80,7 +81,8 @@ def test_startup_counts_are_dropped_once_then_the_method_is_refused(tmp_path, su
 def test_no_worker_method_resets_the_counts() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    worker_rpc.install()
+    for addition in vllm_hooks.WORKER_METHODS:
+        addition.install()
     ours = {name for name in dir(WorkerBase) if name.startswith("vllm_expert_offload_")}
     assert ours == {worker_rpc.END_OF_STARTUP, worker_rpc.SAVE_STATS, worker_rpc.MEMORY_REPORT,
                     worker_rpc.TIER_COUNTERS}

@@ -37,7 +37,7 @@ from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
-from ..offload.phase import profiling
+from ..offload.phase import PHASE
 from ..offload.tiers import PlacedExpert
 from .contract import Backend, ExpertCrop
 from .linear import LinearShard
@@ -291,7 +291,7 @@ class Exllamav3MoE:
         else:
             out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
                              for s in range(0, tokens, MOE_ROWS)])
-        if profiling() and not self.warm:
+        if PHASE.profiling and not self.warm:
             self.warm_up(top_k)
         # Contiguous as exl3_moe's fake promises (kernels/ops.py): a padded width's slice of an fp32 output is a
         # strided view, which `.to(float32)` would hand back as it is.
@@ -393,7 +393,7 @@ class Exllamav3Linear(RotatedLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if profiling() and not self.warm:
+        if PHASE.profiling and not self.warm:
             self.warm_up(self.capture_rows)
         return super().forward(x)
 

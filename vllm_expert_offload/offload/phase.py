@@ -1,9 +1,12 @@
-"""Whether this process is inside vLLM's memory-profiling pass, or a data-parallel dummy batch: flags the startup
-hooks raise around them (integration/startup/profiling.py, data_parallel.py) and that layer code and backends read,
-so neither reaches up into the hooks.
+"""What vLLM is running in this process besides real requests, as the MoE path must know it: its memory-profiling
+pass, or a data-parallel dummy batch. One object, `PHASE`, holds both; the startup hooks raise its flags around
+those runs (integration/startup/profiling.py, data_parallel.py, installed by integration/vllm_hooks.py) and layer
+code and backends read them, so neither reaches up into the hooks.
 
-While the profiling flag is up the MoE path shows vLLM its worst case (every expert, host tier included) and kernels that tune or
-allocate on first use do it then, before any CUDA-graph capture.
+While `profiling` is up the MoE path shows vLLM its worst case (every expert, host tier included) and kernels that
+tune or allocate on first use do it then, before any CUDA-graph capture. While `dummy_batch` is up an engine with no
+request of its own steps anyway, so the other engines' MoE collectives meet; its tokens are no one's and are never
+counted.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import contextlib
 from collections.abc import Iterator
 
 
-class _Phase:
-    """A flag raised while a `with` block runs (nested blocks keep it up until the outermost ends)."""
+class _Flag:
+    """Up while a `with raised()` block runs (nested blocks keep it up until the outermost ends), so an exception
+    inside the run drops it."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -30,23 +34,26 @@ class _Phase:
             self.depth -= 1
 
 
-_PROFILING = _Phase()
-_DUMMY_BATCH = _Phase()
+class Phase:
+    """The process's two flags, read as booleans and raised by their `..._pass()` blocks."""
+
+    def __init__(self) -> None:
+        self._profiling = _Flag()
+        self._dummy_batch = _Flag()
+
+    @property
+    def profiling(self) -> bool:
+        return bool(self._profiling)
+
+    @property
+    def dummy_batch(self) -> bool:
+        return bool(self._dummy_batch)
+
+    def profiling_pass(self) -> contextlib.AbstractContextManager[None]:
+        return self._profiling.raised()
+
+    def dummy_batch_pass(self) -> contextlib.AbstractContextManager[None]:
+        return self._dummy_batch.raised()
 
 
-def profiling() -> bool:
-    return bool(_PROFILING)
-
-
-def profiling_pass() -> contextlib.AbstractContextManager[None]:
-    return _PROFILING.raised()
-
-
-def dummy_batch() -> bool:
-    """Whether this process is inside a data-parallel dummy batch: an engine with no request of its own steps
-    anyway, so the other engines' MoE collectives meet; its tokens are no one's and are never counted."""
-    return bool(_DUMMY_BATCH)
-
-
-def dummy_batch_pass() -> contextlib.AbstractContextManager[None]:
-    return _DUMMY_BATCH.raised()
+PHASE = Phase()

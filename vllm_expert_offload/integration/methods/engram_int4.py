@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ...exl3.engram import SCALE_BLOCK, EngramFormat, EngramTable
-from ..patching import Hook
 
 logger = logging.getLogger("vllm.expert_offload")
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
@@ -121,41 +120,31 @@ def refuse_unservable(engram_config) -> None:
                          f"pack's engram tables are MXINT-4 (served by the plugin's own lookup); leave {flag} off")
 
 
-def _wrap_create_embedding(tables: Mapping[int, EngramTable]):
-    def wrap(original):
-        @functools.wraps(original)
-        def _create_embedding(self, layout, layer_hash_index):
-            table = tables.get(layout.layer_ids[layer_hash_index])
-            if table is None or table.format is not EngramFormat.MXINT4:
-                return original(self, layout, layer_hash_index)
-            from vllm.config import get_current_vllm_config
-            from vllm.distributed import (
-                get_engram_dp_size,
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
+def wrap_create_embedding(original, tables: Mapping[int, EngramTable]):
+    """vLLM's `Engram._create_embedding`, building the MXINT-4 table for the layers `tables` stores so."""
 
-            engram_config = get_current_vllm_config().engram_config
-            refuse_unservable(engram_config)
-            if get_engram_dp_size() > 1:
-                raise ValueError("EXL3 checkpoint refused: an engram DP group larger than 1 stages FP8 rows "
-                                 "(EngramBatch); this pack's engram tables are MXINT-4")
-            heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
-            return Mxint4EngramEmbedding(
-                layout.num_embeddings[layer_hash_index], layout.head_dim, heads,
-                tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                cpu_offload=engram_config.cpu_offload,
-            )
+    @functools.wraps(original)
+    def _create_embedding(self, layout, layer_hash_index):
+        table = tables.get(layout.layer_ids[layer_hash_index])
+        if table is None or table.format is not EngramFormat.MXINT4:
+            return original(self, layout, layer_hash_index)
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import (
+            get_engram_dp_size,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
-        return _create_embedding
+        engram_config = get_current_vllm_config().engram_config
+        refuse_unservable(engram_config)
+        if get_engram_dp_size() > 1:
+            raise ValueError("EXL3 checkpoint refused: an engram DP group larger than 1 stages FP8 rows "
+                             "(EngramBatch); this pack's engram tables are MXINT-4")
+        heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
+        return Mxint4EngramEmbedding(
+            layout.num_embeddings[layer_hash_index], layout.head_dim, heads,
+            tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
+            cpu_offload=engram_config.cpu_offload,
+        )
 
-    return wrap
-
-
-def install(tables: Mapping[int, EngramTable]) -> bool:
-    """Serve the MXINT-4 tables among `tables` (layer -> table, from the pack's validated headers)."""
-    if not any(t.format is EngramFormat.MXINT4 for t in tables.values()):
-        return False
-    hook = Hook(ENGRAM, "Engram._create_embedding", ("self", "layout", "layer_hash_index"),
-                _wrap_create_embedding(dict(tables)))
-    return hook.install()
+    return _create_embedding

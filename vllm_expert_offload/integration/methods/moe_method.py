@@ -21,9 +21,7 @@ from ...kernels.oracle import BackendUnavailable, KernelChoice, backend
 from ...offload.cache_policy import CacheSettings
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
-from ..startup.crash_line import install_crash_line
-from ..startup.data_parallel import install_dummy_batch_flag
-from ..startup.profiling import install_profile_flag
+from ..vllm_hooks import install_crash_line, install_dummy_batch_flag, install_profile_flag
 from .expert_loading import ExpertLoading
 from .moe_runtime import MoERuntime
 from .op_targets import register_op_target

@@ -27,7 +27,7 @@ from vllm import forward_context
 from ...kernels.contract import MoEKernel
 from ...kernels.expert_slots import ExpertSlots
 from ...kernels.pointer_tables import PointerTables
-from ...offload.phase import dummy_batch, profiling
+from ...offload.phase import PHASE
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
 from ..startup.data_parallel import own_rows
@@ -58,7 +58,7 @@ class MoERuntime:
     cpu_tier: CpuTierStep | None = None  # expert_offload.cpu_tier, in a layer with a host-resident expert
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if profiling():
+        if PHASE.profiling:
             return self._worst_case(x, topk_weights, topk_ids)
         self._record(self._rows(topk_ids))
         topk_weights, ids = self._to_local(topk_weights, topk_ids)
@@ -87,7 +87,7 @@ class MoERuntime:
 
     def _record(self, topk_ids: torch.Tensor) -> None:
         """Routing statistics, on the device; a DP engine's dummy batch carries no one's tokens."""
-        if self.placement.recording and not dummy_batch():
+        if self.placement.recording and not PHASE.dummy_batch:
             self.placement.record(self.layer_index, topk_ids)
 
     def _to_local(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ...offload.options import OffloadOptions, parse_offload_options
 from ...offload.process import ProcessPlacement
-from . import engram_int4
+from ..vllm_hooks import install_engram
 from .delegate import build_delegate
 
 QUANT_NAME = "exl3"
@@ -182,7 +182,7 @@ class Exl3Config(QuantizationConfig):
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
             raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
-        engram_int4.install(self.summary.engram)
+        install_engram(self.summary.engram)
         self.delegate = build_delegate(self.summary.contract, hf_config)
         if self.delegate is not None:
             self.delegate.packed_modules_mapping = self.packed_modules_mapping

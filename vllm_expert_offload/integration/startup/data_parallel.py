@@ -13,8 +13,7 @@ import functools
 import torch
 
 from ...errors import ExpertOffloadError
-from ...offload.phase import dummy_batch_pass
-from ..patching import SENTINEL, Hook, HookError, require_checked_version
+from ...offload.phase import PHASE
 
 
 class GatheredBatchError(ExpertOffloadError, RuntimeError):
@@ -34,24 +33,13 @@ def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_s
     return topk_ids[start: start + sizes[dp_rank]]
 
 
-def _flag_dummy(execute_dummy_batch):
+def flag_dummy(execute_dummy_batch):
+    """`Worker.execute_dummy_batch` with the dummy-batch flag up while it runs (vllm_hooks.DUMMY_BATCH)."""
+
     @functools.wraps(execute_dummy_batch)
     def wrapper(self):
-        with dummy_batch_pass():
+        with PHASE.dummy_batch_pass():
             return execute_dummy_batch(self)
 
     return wrapper
 
-
-DUMMY_BATCH_HOOK = Hook("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch", ("self",), _flag_dummy)
-
-
-def install_dummy_batch_flag() -> None:
-    """Raise the dummy-batch flag around every dummy batch this worker runs (the CPU worker inherits the GPU
-    worker's method). Idempotent; refuses a vLLM whose method changed."""
-    require_checked_version("the dummy-batch hook")
-    DUMMY_BATCH_HOOK.install()
-    from vllm.v1.worker.gpu_worker import Worker
-
-    if not getattr(Worker.execute_dummy_batch, SENTINEL, False):
-        raise HookError(f"{DUMMY_BATCH_HOOK.target}: not wrapped; dummy batches would be counted as traffic")

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import functools
 
-from ..patching import Hook
-
 LOADER = "vllm.model_executor.model_loader.base_loader"
 
 
-def _wrap_load_model(original):
+def wrap_load_model(original):
     @functools.wraps(original)
     def load_model(self, vllm_config, model_config, prefix=""):
         try:
@@ -33,10 +31,3 @@ def _wrap_load_model(original):
             raise
 
     return load_model
-
-
-HOOK = Hook(LOADER, "BaseModelLoader.load_model", ("self", "vllm_config", "model_config", "prefix"), _wrap_load_model)
-
-
-def install() -> bool:
-    return HOOK.install()

@@ -16,7 +16,6 @@ the plugin before the engine is handed out (`END_OF_STARTUP`).
 from __future__ import annotations
 
 from ...offload.engine_stats import engine_report
-from ..patching import HookError
 
 END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
@@ -94,13 +93,6 @@ def tier_counters(worker) -> dict | None:
     }
 
 
-def install() -> None:
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    methods = ((END_OF_STARTUP, end_of_startup), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report),
-               (TIER_COUNTERS, tier_counters))
-    for name, method in methods:
-        existing = getattr(WorkerBase, name, None)
-        if existing is not None and existing is not method:
-            raise HookError(f"vllm.v1.worker.worker_base.WorkerBase already has a {name!r} attribute")
-        setattr(WorkerBase, name, method)
+# What vllm_hooks.WORKER_METHODS adds to vLLM's WorkerBase, by name.
+METHODS = {END_OF_STARTUP: end_of_startup, SAVE_STATS: save_expert_stats, MEMORY_REPORT: memory_report,
+           TIER_COUNTERS: tier_counters}
