@@ -86,6 +86,47 @@ def _draft_exl3_set(summary: CheckpointSummary) -> str | None:
     return next((prefix for prefix in summary.quantized_prefixes if prefix.startswith(draft_root)), None)
 
 
+class ProcessState:
+    """What one vLLM process decides once, at the first EXL3 layer built (where vLLM's config is current): the
+    `expert_offload` options parsed once and handed down, the backends, and the placement (plan + arena + routing
+    counts, made by the first MoE layer: moe_method.py). Kept apart from the quant config, which is vLLM's per-model
+    description and travels to the workers pickled; this is the process's own and changes while it loads."""
+
+    def __init__(self) -> None:
+        self.options: OffloadOptions | None = None
+        self.kernels: KernelChoice | None = None
+        self.placement: ProcessPlacement | None = None
+
+    def kernel_choice(self, summary: CheckpointSummary, device: torch.device) -> KernelChoice:
+        """The process's EXL3 backends, decided (and logged) once; a backend asked for that cannot run, or a
+        configuration that bypasses the EXL3 methods, is refused here, before any weight is loaded."""
+        if self.kernels is None:
+            vllm_config = get_current_vllm_config()
+            refuse_unservable(vllm_config, summary)
+            self.options = parse_offload_options(vllm_config.additional_config)
+            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
+            log_choice(self.kernels)
+        return self.kernels
+
+    def abandon_placement(self, why: str) -> None:
+        """The load the placement was made for failed (`why`): release its arena now and forget it."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.release(why)
+
+
+def _mirrored(name: str) -> property:
+    """The delegate's `name`, read through the quant config: vLLM's models read it from the model's quant config
+    before any layer asks for its method (exl3/contract.py's DELEGATE_MIRRORS says which and why)."""
+
+    def read(config: Exl3Config) -> Any:
+        if config.delegate is None:
+            raise AttributeError(f"Exl3Config.{name}: this pack declares no non_routed_quantization to read it from")
+        return getattr(config.delegate, name)
+
+    return property(read, doc=read.__doc__)
+
+
 @register_quantization_config(QUANT_NAME)
 class Exl3Config(QuantizationConfig):
     """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
@@ -98,21 +139,13 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
-        # Per process, made at the first EXL3 layer built (where vLLM's config is current): the expert_offload
-        # options parsed once and handed down, the backends, and the placement (plan + arena + routing counts).
-        self.options: OffloadOptions | None = None
-        self.kernels: KernelChoice | None = None
-        self.placement: ProcessPlacement | None = None
+        self.process = ProcessState()
         self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
         self._checkpoint_names: dict[str, str] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        """Global attributes of the delegate that models read from the quant config (`weight_block_size`,
-        `activation_scheme`, ...) are visible through ours. Only reached when normal lookup fails."""
-        delegate = self.__dict__.get("delegate")
-        if delegate is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return getattr(delegate, name)
+    # The delegate's attributes that models read from the quant config: DELEGATE_MIRRORS, and nothing else.
+    weight_block_size = _mirrored("weight_block_size")
+    expert_dtype = _mirrored("expert_dtype")
 
     @property
     def packed_modules_mapping(self) -> dict[str, list[str]]:
@@ -190,23 +223,9 @@ class Exl3Config(QuantizationConfig):
                 self.delegate.apply_vllm_mapper(self.vllm_mapper)
             self.delegate.maybe_update_config(model_name, hf_config, revision)
 
-    def abandon_placement(self, why: str) -> None:
-        """The load the placement was made for failed (`why`): release its arena now and forget it."""
-        placement, self.placement = self.placement, None
-        if placement is not None:
-            placement.release(why)
-
     def kernel_choice(self, device: torch.device) -> KernelChoice:
-        """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
-        asked for that cannot run, or a configuration that bypasses the EXL3 methods, is refused here, before any
-        weight is loaded."""
-        if self.kernels is None:
-            vllm_config = get_current_vllm_config()
-            refuse_unservable(vllm_config, self._summary())
-            self.options = parse_offload_options(vllm_config.additional_config)
-            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
-            log_choice(self.kernels)
-        return self.kernels
+        """The process's EXL3 backends (ProcessState.kernel_choice), for this checkpoint."""
+        return self.process.kernel_choice(self._summary(), device)
 
     @staticmethod
     def capture_sizes() -> tuple[int, ...]:

@@ -39,7 +39,7 @@ def _placement(worker):
     from ..methods.quant_config import Exl3Config
 
     quant_config = worker.vllm_config.quant_config
-    return quant_config.placement if isinstance(quant_config, Exl3Config) else None
+    return quant_config.process.placement if isinstance(quant_config, Exl3Config) else None
 
 
 def end_of_startup(worker) -> bool:
