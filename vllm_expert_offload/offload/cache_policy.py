@@ -30,7 +30,7 @@ are neither counted nor filled.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
@@ -53,15 +53,18 @@ class CacheSettingsError(ExpertOffloadError, ValueError):
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """`"expert_offload": {"dynamic": {"policy": ..., "half_life_tokens": H}}`, parsed and checked."""
+    """`"expert_offload": {"dynamic": {"policy": ..., "half_life_tokens": H}}`, checked here, once, however it is
+    built (the JSON reader below, the simulator's flags, tests); `where` names the object in a refusal."""
 
     policy: str = "decayed-lfu"
     half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
+    where: InitVar[str] = "dynamic"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, where: str) -> None:
         if self.policy not in POLICIES:
-            raise CacheSettingsError(f"dynamic.policy: {self.policy!r} is not one of {list(POLICIES)}")
-        finite_number(self.half_life_tokens, "dynamic.half_life_tokens", CacheSettingsError, 1e-3, 1e12)
+            raise CacheSettingsError(f"{where}.policy: {self.policy!r} is not one of {list(POLICIES)}")
+        half_life = finite_number(self.half_life_tokens, f"{where}.half_life_tokens", CacheSettingsError, 1e-3, 1e12)
+        object.__setattr__(self, "half_life_tokens", half_life)  # a JSON integer read as the float it stands for
 
     @property
     def enabled(self) -> bool:
@@ -73,12 +76,8 @@ def parse_cache_settings(raw: Any, where: str = "--additional-config expert_offl
     if not isinstance(raw, dict):
         raise CacheSettingsError(f"{where}: expected an object, got {raw!r}")
     refuse_unknown(raw, ("policy", "half_life_tokens"), where, CacheSettingsError, "unknown option")
-    policy = raw.get("policy", CacheSettings.policy)
-    if policy not in POLICIES:
-        raise CacheSettingsError(f"{where}.policy: {policy!r} is not one of {list(POLICIES)}")
-    half_life = finite_number(raw.get("half_life_tokens", DEFAULT_HALF_LIFE_TOKENS), f"{where}.half_life_tokens",
-                              CacheSettingsError, 1e-3, 1e12)
-    return CacheSettings(policy, half_life)
+    return CacheSettings(raw.get("policy", CacheSettings.policy),
+                         raw.get("half_life_tokens", DEFAULT_HALF_LIFE_TOKENS), where)
 
 
 @dataclass(frozen=True)
