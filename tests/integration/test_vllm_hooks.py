@@ -51,6 +51,17 @@ def test_the_surface_lists_every_declared_patch_with_kind_and_versions(capsys) -
     assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner.profile_run" in capsys.readouterr().out
 
 
+def test_the_architecture_page_tables_every_contact() -> None:
+    """docs/architecture.md's contact-surface table names each target's module and attribute, and its kind."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = page.split("## The contact surface with vLLM", 1)[1].split("\n## ", 1)[0]
+    for row in vllm_hooks.surface():
+        parts = row.target.split(".")
+        module = ".".join(parts[:next((i for i, p in enumerate(parts) if p[:1].isupper()), len(parts) - 1)])
+        assert parts[-1] in table and (module in table or row.target.startswith("<")), row.target
+        assert f"| {row.kind} |" in table or f"| {row.kind} (" in table, row.kind
+
+
 @pytest.mark.parametrize("hook", [h for h in _declared() if isinstance(h, (Hook, InstancePatch))],
                          ids=lambda h: h.target)
 def test_each_declared_target_exists_with_the_declared_parameters(hook: Hook | InstancePatch) -> None:
