@@ -453,7 +453,7 @@ def test_check_kv_refuses_dsv41_without_a_gpu(kv_fix, capsys: pytest.CaptureFixt
     from vllm_expert_offload.tools import check_kv_cmd
 
     assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
-    assert "FAILED at spec construction: ValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
+    assert "FAILED at spec construction: InvalidValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
            "with --gpu-arch sm90|sm100|sm120" in capsys.readouterr().out
 
 

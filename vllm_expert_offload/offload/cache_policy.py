@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ExpertOffloadError
+from ..errors import ExpertOffloadError, InvalidValueError
 from ..validation import finite_number, refuse_unknown
 
 POLICIES = ("decayed-lfu", "lru", "off")
@@ -104,7 +104,7 @@ class ExpertCache:
                  pinned: torch.Tensor | None = None, initial: torch.Tensor | None = None,
                  layers: int | None = None) -> None:
         if not 0 <= slots <= num_experts:
-            raise ValueError(f"slots must be in [0, num_experts={num_experts}], got {slots}")
+            raise InvalidValueError(f"slots must be in [0, num_experts={num_experts}], got {slots}")
         self.settings = settings
         self.num_experts, self.slots, self.layers = num_experts, slots, layers
         self.device = torch.device(device)
@@ -137,7 +137,7 @@ class ExpertCache:
         value = value.detach().cpu().to(dtype)
         want = (self.num_experts,) if self.layers is None else (self.layers, self.num_experts)
         if tuple(value.shape) != want:
-            raise ValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
+            raise InvalidValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
         return value.reshape(rows, self.num_experts)
 
     def _view(self, state: torch.Tensor, width: int) -> torch.Tensor:
@@ -279,15 +279,15 @@ def _pinned_first(pinned: torch.Tensor, slots: int) -> torch.Tensor:
 def _check_assignment(start: torch.Tensor, pinned: torch.Tensor, slots: int) -> None:
     """The starting assignment must be a partial injection into [0, slots) that places every pinned expert."""
     if (pinned.sum(-1) > slots).any():
-        raise ValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
+        raise InvalidValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
     if ((start < -1) | (start >= slots)).any():
-        raise ValueError(f"initial slots must be -1 or in [0, {slots})")
+        raise InvalidValueError(f"initial slots must be -1 or in [0, {slots})")
     for row in range(start.shape[0]):
         used = start[row][start[row] >= 0]
         if len(used) != len(torch.unique(used)):
-            raise ValueError(f"initial assigns a slot to two experts (layer row {row})")
+            raise InvalidValueError(f"initial assigns a slot to two experts (layer row {row})")
     if (pinned & (start < 0)).any():
-        raise ValueError("initial leaves a pinned expert without a slot")
+        raise InvalidValueError("initial leaves a pinned expert without a slot")
 
 
 def _hash_weights(n: int, device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from ...errors import InvalidValueError
 from ...kv.rules import GroupFacts, check_block_sizes, kernel_block_sizes, resolve_block_sizes
 from . import declarations
 
@@ -60,7 +61,7 @@ def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """The switch is "1" (default) or "0"; anything else is refused rather than guessed."""
     value = environ.get(ENV_SWITCH, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: use 1 (default, fix on) or 0 (vLLM's own behaviour)")
+        raise InvalidValueError(f"{ENV_SWITCH}={value!r}: use 1 (default, fix on) or 0 (vLLM's own behaviour)")
     return value == "1"
 
 

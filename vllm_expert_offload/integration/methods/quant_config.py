@@ -17,11 +17,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ...exl3.checkpoint import Exl3Checkpoint
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
-from ...exl3.errors import Exl3FormatError
+from ...exl3.errors import CheckpointRefused, Exl3FormatError
 from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ...offload.options import OffloadOptions, parse_offload_options
 from ...offload.process import ProcessPlacement
+from ..versions import VLLMVersionError
 from ..vllm_hooks import install_engram
 from .delegate import build_delegate
 
@@ -57,7 +58,7 @@ def refuse_unservable(vllm_config, summary: CheckpointSummary) -> None:
 
     draft = _draft_exl3_set(summary)
     if vllm_config.speculative_config is not None and draft is not None:
-        raise ValueError(
+        raise CheckpointRefused(
             f"EXL3 checkpoint refused: --speculative-config would load the draft layers, but {draft}.trellis is an "
             "EXL3 set in a draft layer: the placement plan covers the main model's routed experts only. Serve "
             "without speculative decoding, or a pack whose draft layers stay in their source format "
@@ -66,12 +67,12 @@ def refuse_unservable(vllm_config, summary: CheckpointSummary) -> None:
 
     backend = vllm_config.kernel_config.moe_backend
     if backend in MEGA_MOE_BACKENDS:
-        raise ValueError(
+        raise CheckpointRefused(
             f"EXL3 checkpoint refused: --moe-backend {backend} (a MegaMoE kernel) bypasses quantization methods, "
             "so EXL3 experts would never be loaded; use the default MoE backend"
         )
     if vllm_config.parallel_config.enable_eplb:
-        raise ValueError(
+        raise CheckpointRefused(
             "EXL3 checkpoint refused: --enable-eplb moves experts between ranks, which the per-expert placement "
             "plan does not follow; serve without EPLB"
         )
@@ -199,7 +200,7 @@ class Exl3Config(QuantizationConfig):
         try:
             return cls(parse_quant_config(config))
         except Exl3FormatError as exc:
-            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+            raise CheckpointRefused(f"EXL3 checkpoint refused: {exc}") from exc
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
@@ -214,7 +215,7 @@ class Exl3Config(QuantizationConfig):
         try:
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
-            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+            raise CheckpointRefused(f"EXL3 checkpoint refused: {exc}") from exc
         install_engram(self.summary.engram)
         self.delegate = build_delegate(self.summary.contract, hf_config)
         if self.delegate is not None:
@@ -242,7 +243,7 @@ class Exl3Config(QuantizationConfig):
 
     def _summary(self) -> CheckpointSummary:
         if self.summary is None:
-            raise RuntimeError(
+            raise VLLMVersionError(
                 "Exl3Config.maybe_update_config was not called before layers were built; "
                 "this vLLM version loads quantization configs differently from the verified ones"
             )
@@ -254,7 +255,7 @@ class Exl3Config(QuantizationConfig):
         present = [s in quantized for s in shards]
         if any(present) and not all(present):
             missing = [s for s, p in zip(shards, present) if not p]
-            raise ValueError(
+            raise CheckpointRefused(
                 f"EXL3 checkpoint refused: {missing[0]}.trellis: missing, but the other shards of fused module "
                 f"{prefix} are EXL3; a fused module must be quantized in every shard"
             )

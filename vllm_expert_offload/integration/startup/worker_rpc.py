@@ -16,6 +16,7 @@ the plugin before the engine is handed out (`END_OF_STARTUP`).
 from __future__ import annotations
 
 from ...offload.engine_stats import engine_report
+from ...offload.options import OffloadOptionError
 
 END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
@@ -61,7 +62,7 @@ def save_expert_stats(worker) -> str | dict | None:
         return None
     target = placement.options.record_stats
     if target is None:
-        raise ValueError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
+        raise OffloadOptionError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
     if placement.reports_engine_counts:
         return engine_report(placement.dp_rank, placement.routing_counts())
     placement.save_stats(target)
