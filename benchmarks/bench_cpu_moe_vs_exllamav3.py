@@ -10,8 +10,8 @@ rows, so it agrees to fp16 rounding, not bit for bit).
 
 exllamav3's kernel is not vendored: `--build DIR` downloads the 1.6.5 wheel with pip, writes a small pybind
 binding and compiles moe_mul1.cpp into DIR with torch.utils.cpp_extension (about 5 minutes on 2 cores);
-`--ext PATH` (or $EXL3_CPU_SCRATCH_EXT) loads an earlier build. Without either, its column is skipped with the
-reason. Nothing of it is ever committed.
+`--ext PATH` (or $VLLM_EXPERT_OFFLOAD_EXL3_CPU_SCRATCH_EXT) loads an earlier build. Without either, its column is
+skipped with the reason. Nothing of it is ever committed.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_cpu_moe_vs_exllamav3.py --ext /tmp/exl3cpu/exl3cpu_scratch.so
 """

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +40,29 @@ def test_every_refusal_class_derives_from_the_base() -> None:
     outside = [name for name, cls in classes.items()
                if not issubclass(cls, ExpertOffloadError) and name.rsplit(".", 1)[1] not in NOT_REFUSALS]
     assert outside == []
+
+
+PACKAGE = Path(vllm_expert_offload.__file__).parent
+# Kernels the GPU work reshapes now (issue 39 item 4, launch arguments as named structures): converted with it.
+PLAIN_RAISES_PENDING = {"kernels/triton_exl3.py", "kernels/triton_moe.py", "kernels/triton_fused.py"}
+
+
+def _plain_raises(source: str) -> list[int]:
+    """Lines raising a bare ValueError or RuntimeError (a refusal outside the family)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Raise)
+            and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name)
+            and node.exc.func.id in ("ValueError", "RuntimeError")]
+
+
+def test_no_shipped_module_raises_a_plain_value_or_runtime_error() -> None:
+    """testing/ is test support (never imported by shipped code); every other refusal is a family member, which
+    keeps ValueError or RuntimeError as its builtin base for callers that catch those."""
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.relative_to(PACKAGE).parts[0] != "testing"
+             and str(path.relative_to(PACKAGE)) not in PLAIN_RAISES_PENDING
+             for line in _plain_raises(path.read_text())]
+    assert found == []
+    assert _plain_raises("def f():\n    raise ValueError('x')\nraise RuntimeError\n") == [2]  # the scan sees one
 
 
 def test_refuse_unknown_names_the_first_unknown_key() -> None:

@@ -10,3 +10,13 @@ from __future__ import annotations
 
 class ExpertOffloadError(Exception):
     """Something the plugin refuses, with the key, tensor, flag or file at fault named in the message."""
+
+
+class InvalidValueError(ExpertOffloadError, ValueError):
+    """A value the plugin was handed and cannot use (an argument, a tensor, an environment variable, a layer's
+    shape) where no narrower family member says more; the message names it."""
+
+
+class InvalidStateError(ExpertOffloadError, RuntimeError):
+    """An operation asked of an object in a state that cannot serve it (a closed arena, views still alive, a step
+    taken out of the order it needs); the message says which."""

@@ -218,7 +218,8 @@ def _module(cls: type) -> torch.nn.Module:
 
 def test_delegated_layers_get_exactly_vllms_method(fp8_mixed: Path, mixed: Path) -> None:
     """Every non-EXL3 layer of a delegated pack gets the method vLLM's own config class builds from the same
-    parameters; the delegate's global attributes read through ours; bf16_as_stored never delegates."""
+    parameters; the delegate's attributes the contract mirrors read through ours, no other; bf16_as_stored never
+    delegates."""
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear, UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization import get_quantization_config
@@ -231,7 +232,8 @@ def test_delegated_layers_get_exactly_vllms_method(fp8_mixed: Path, mixed: Path)
     config.maybe_update_config(str(fp8_mixed))
     vllm_own = get_quantization_config("fp8").from_config(FP8_DELEGATE)
     assert type(config.delegate) is type(vllm_own)
-    assert config.weight_block_size == [128, 128] and config.activation_scheme == "dynamic"
+    assert config.weight_block_size == [128, 128] and config.weight_block_size is config.delegate.weight_block_size
+    assert config.delegate.activation_scheme == "dynamic" and not hasattr(config, "activation_scheme")  # no mirror
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     config.packed_modules_mapping = fused  # what vLLM does once it knows the model class
     vllm_own.packed_modules_mapping = fused
@@ -256,6 +258,18 @@ def test_delegated_layers_get_exactly_vllms_method(fp8_mixed: Path, mixed: Path)
         assert bf16.get_quant_method(torch.nn.Module(), "model.layers.0.self_attn.attn") is None
         with pytest.raises(AttributeError):
             bf16.weight_block_size  # noqa: B018 - nothing to forward to
+
+
+def test_the_quant_config_mirrors_exactly_the_contracts_delegate_keys() -> None:
+    """Exl3Config reads through to its delegate the keys exl3/contract.py's DELEGATE_MIRRORS names, each an
+    explicit property, and has no catch-all lookup."""
+    from vllm_expert_offload.exl3.contract import DELEGATE_MIRRORS
+    from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+
+    mirrored = {name for name, value in vars(Exl3Config).items()
+                if isinstance(value, property) and value.fget.__qualname__.startswith("_mirrored.")}
+    assert mirrored == set(DELEGATE_MIRRORS)
+    assert not any("__getattr__" in vars(cls) for cls in Exl3Config.__mro__ if cls is not object)
 
 
 def test_draft_layer_experts_go_to_the_delegate_and_config_pickles(mixed: Path, tmp_path: Path,

@@ -17,6 +17,7 @@ from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.engram import EngramFormat, dequantize_rows
 from vllm_expert_offload.exl3.residency import ENGRAM_LINE, ResidencyOptions, residency
 from vllm_expert_offload.exl3.validate import validate_checkpoint
+from vllm_expert_offload.integration import vllm_hooks
 from vllm_expert_offload.integration.methods import engram_int4
 from vllm_expert_offload.testing.tiny_dsv41 import TEXT, build_tiny_dsv41
 
@@ -92,7 +93,7 @@ def _wrapped(monkeypatch, tables, engram_config: EngramConfig, dp: int = 1):
     monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 1)
     monkeypatch.setattr(vllm.distributed, "get_engram_dp_size", lambda: dp)
     original = []
-    create = engram_int4._wrap_create_embedding(tables)(lambda self, layout, index: original.append(index) or "vllm")
+    create = engram_int4.wrap_create_embedding(lambda self, layout, index: original.append(index) or "vllm", tables)
     return create, original
 
 
@@ -105,7 +106,7 @@ def test_engram_builds_the_plugins_table_for_mxint4_only(pack, monkeypatch) -> N
     fp8 = validate_checkpoint(Exl3Checkpoint.open(build_tiny_dsv41(EngramFormat.FP8))).engram
     create, original = _wrapped(monkeypatch, fp8, EngramConfig())
     assert create(None, layout, 0) == "vllm" and original == [0]
-    assert not engram_int4.install(fp8)  # nothing to wrap for FP8 tables
+    assert not vllm_hooks.install_engram(fp8)  # nothing to wrap for FP8 tables
 
 
 @pytest.mark.parametrize("settings,named", [

@@ -12,7 +12,7 @@ import torch
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.integration.methods.moe_method import _rank_experts
 from vllm_expert_offload.offload.counters import GPU_READS, HOST_READS
-from vllm_expert_offload.offload.phase import profiling_pass
+from vllm_expert_offload.offload.phase import PHASE
 from vllm_expert_offload.offload.rank_plan import RankExperts
 
 from support.moe_runtimes import runtime
@@ -47,7 +47,7 @@ def test_profiling_spreads_every_slot_over_this_ranks_experts() -> None:
     layer = _runtime()
     ids = torch.zeros((6, 2), dtype=torch.int64)
     weights = torch.full((6, 2), 0.5)
-    with profiling_pass():
+    with PHASE.profiling_pass():
         layer.forward(torch.zeros(6, 4), weights, ids)
     got_weights, got_ids = layer.kernel.calls[0]
     assert sorted(set(got_ids.flatten().tolist())) == [0, 1, 2, 3]

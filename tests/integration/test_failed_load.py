@@ -12,7 +12,8 @@ import torch
 from vllm_expert_offload.exl3.checkpoint import Exl3Checkpoint
 from vllm_expert_offload.exl3.errors import Exl3FormatError
 from vllm_expert_offload.exl3.validate import validate_checkpoint
-from vllm_expert_offload.integration.methods.quant_config import Exl3Config
+from vllm_expert_offload.integration import vllm_hooks
+from vllm_expert_offload.integration.methods.quant_config import Exl3Config, ProcessState
 from vllm_expert_offload.integration.startup import failed_load
 from vllm_expert_offload.offload.options import OffloadOptions
 from vllm_expert_offload.offload.process import ProcessPlacement
@@ -33,37 +34,39 @@ def test_the_hook_matches_vllms_loader() -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     loader = inspect.unwrap(BaseModelLoader.load_model)
-    assert tuple(inspect.signature(loader).parameters) == failed_load.HOOK.params
+    assert tuple(inspect.signature(loader).parameters) == vllm_hooks.FAILED_LOAD.params
 
 
 def test_a_successful_load_passes_through() -> None:
     quant = Exl3Config.__new__(Exl3Config)
-    quant.placement = "kept"
-    load = failed_load._wrap_load_model(lambda self, vllm_config, model_config, prefix: ("model", prefix))
-    assert load(None, FakeVllmConfig(quant), None, "p") == ("model", "p") and quant.placement == "kept"
+    quant.process = ProcessState()
+    quant.process.placement = "kept"
+    load = failed_load.wrap_load_model(lambda self, vllm_config, model_config, prefix: ("model", prefix))
+    assert load(None, FakeVllmConfig(quant), None, "p") == ("model", "p") and quant.process.placement == "kept"
 
 
 def test_a_failed_load_releases_the_arena_before_the_error_propagates(tmp_path, arena_log) -> None:
     summary = validate_checkpoint(Exl3Checkpoint.open(build_tiny_model(None, "qwen3_moe")))
     quant = Exl3Config.__new__(Exl3Config)
-    quant.placement = None
+    quant.process = ProcessState()
+    quant.process.placement = None
     made, kept = [], []
 
     def loading_that_fails(self, vllm_config, model_config, prefix):
         placement = ProcessPlacement(OffloadOptions(host_fraction=0.5, record_stats=tmp_path / "stats.json"), summary,
                                      GEOMETRY, 2, torch.device("cpu"))
-        vllm_config.quant_config.placement = placement
+        vllm_config.quant_config.process.placement = placement
         view = placement.arena.view(placement.arena.reserve(4096), (4096,), torch.uint8).fill_(7)
         made.append(placement)
         kept.append(view)  # a view that outlives the failure (as one in a traceback's frames would)
         raise Exl3FormatError("model.layers.1.mlp.experts.5.down_proj.suh: missing")
 
-    load = failed_load._wrap_load_model(loading_that_fails)
+    load = failed_load.wrap_load_model(loading_that_fails)
     with pytest.raises(Exl3FormatError, match="down_proj.suh: missing"):
         load(None, FakeVllmConfig(quant), None, "")
     (placement,) = made
     base = placement.arena.device_address(0)
-    assert quant.placement is None and not placement._exit_save.still_active()
+    assert quant.process.placement is None and not placement._exit_save.still_active()
     assert arena_log.text.count("host arena released: ") == 1
     assert ("its pages freed (live views read zeros; unmapped with the last) (the model load failed: "
             "Exl3FormatError: model.layers.1.mlp.experts.5.down_proj.suh: missing)") in arena_log.text

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_expert_offload.integration.vllm_hooks import install_kv_fix
 from vllm_expert_offload.kv.rules import KVBlockLayoutError
 
 from support.paths import FIXTURES, SHARED
@@ -75,12 +76,14 @@ def kv_fix():
 
     from vllm_expert_offload.integration.kv import fix as kv_fix
 
-    kv_fix.install()
+    install_kv_fix()
     return kv_fix
 
 
 def _bound(kv_fix) -> dict[str, object]:
-    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in kv_fix._hooks()}
+    from vllm_expert_offload.integration.vllm_hooks import KV_FIX
+
+    return {hook.target: getattr(sys.modules[hook.module], hook.name) for hook in KV_FIX}
 
 
 def test_install_covers_both_runners_and_is_idempotent(kv_fix) -> None:
@@ -88,16 +91,16 @@ def test_install_covers_both_runners_and_is_idempotent(kv_fix) -> None:
 
     before = _bound(kv_fix)
     assert len(before) == 6 and all(getattr(fn, SENTINEL, False) for fn in before.values())
-    assert kv_fix.install() == []
+    assert install_kv_fix() == []
     assert _bound(kv_fix) == before
 
 
 def test_switch(kv_fix, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kv_fix.ENV_SWITCH, "0")
-    assert kv_fix.install() == []
+    assert install_kv_fix() == []
     monkeypatch.setenv(kv_fix.ENV_SWITCH, "off")
     with pytest.raises(ValueError, match="use 1 .* or 0"):
-        kv_fix.install()
+        install_kv_fix()
 
 
 def test_spec_hook_raises_dsv4_indexer_and_keeps_workable_sizes(kv_fix) -> None:
@@ -450,7 +453,7 @@ def test_check_kv_refuses_dsv41_without_a_gpu(kv_fix, capsys: pytest.CaptureFixt
     from vllm_expert_offload.tools import check_kv_cmd
 
     assert check_kv_cmd.run(_check_kv_args(DSV41_FIXTURE, 64)) == 1
-    assert "FAILED at spec construction: ValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
+    assert "FAILED at spec construction: InvalidValueError: DeepSeek-V4.1's kernel block sizes depend on the GPU: name it " \
            "with --gpu-arch sm90|sm100|sm120" in capsys.readouterr().out
 
 

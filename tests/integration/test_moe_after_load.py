@@ -92,7 +92,8 @@ def test_the_placement_is_bounded_by_the_gpus_memory(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(moe_method.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=96 << 30))
     for device, gpu_bytes in ((torch.device("cuda", 0), 96 << 30), (torch.device("cpu"), None)):
-        quant_config = SimpleNamespace(placement=None, options=SimpleNamespace(caches=False), summary=None)
+        process = SimpleNamespace(placement=None, options=SimpleNamespace(caches=False))
+        quant_config = SimpleNamespace(process=process, summary=None)
         parallel = SimpleNamespace(use_ep=False, dp_rank=0, dp_size=1)
         moe_method._process_placement(quant_config, None, None, parallel, 2, device, KernelChoice("cpu", "cpu", "auto"))
         assert made.pop()[5] == gpu_bytes  # ProcessPlacement(options, summary, geometry, top_k, device, gpu_bytes, ...)

@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
+from vllm_expert_offload.integration import vllm_hooks
 from vllm_expert_offload.integration.startup import profiling
-from vllm_expert_offload.offload import phase
+from vllm_expert_offload.offload.phase import PHASE
 
 
 @pytest.fixture
@@ -18,7 +19,7 @@ def fake_runner(monkeypatch):
 
     class GPUModelRunner:
         def profile_run(self, randomize_inputs: bool = False) -> None:
-            seen.append(phase.profiling())
+            seen.append(PHASE.profiling)
 
     module = types.ModuleType("vllm.v1.worker.gpu_model_runner")
     module.GPUModelRunner = GPUModelRunner
@@ -29,11 +30,11 @@ def fake_runner(monkeypatch):
 
 def test_flag_is_up_only_inside_profile_run(fake_runner) -> None:
     runner_cls, seen = fake_runner
-    assert profiling.install_profile_flag() == 1
-    assert profiling.install_profile_flag() == 0, "installing twice must not wrap twice"
-    assert not phase.profiling()
+    assert vllm_hooks.install_profile_flag() == 1
+    assert vllm_hooks.install_profile_flag() == 0, "installing twice must not wrap twice"
+    assert not PHASE.profiling
     runner_cls().profile_run()
-    assert seen == [True] and not phase.profiling()
+    assert seen == [True] and not PHASE.profiling
 
 
 def test_flag_drops_when_profile_run_raises(fake_runner) -> None:
@@ -43,10 +44,10 @@ def test_flag_drops_when_profile_run_raises(fake_runner) -> None:
         raise RuntimeError("out of memory")
 
     runner_cls.profile_run = boom
-    profiling.install_profile_flag()
+    vllm_hooks.install_profile_flag()
     with pytest.raises(RuntimeError):
         runner_cls().profile_run()
-    assert not phase.profiling()
+    assert not PHASE.profiling
 
 
 def test_spread_routing_touches_every_expert_with_distinct_picks() -> None:

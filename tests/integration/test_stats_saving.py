@@ -177,11 +177,11 @@ def test_a_save_missing_an_engine_writes_nothing(tmp_path, caplog) -> None:
 
 def test_llm_under_data_parallelism_with_record_stats_is_refused_before_the_engine(tmp_path) -> None:
     """No API server merges the engines' counts there, and no worker writes alone under DP: refused, not silent."""
-    from vllm_expert_offload.integration.startup.engine_hooks import _wrap_engine_factory
+    from vllm_expert_offload.integration.startup.engine_hooks import wrap_engine_factory
     from vllm_expert_offload.offload.options import OffloadOptionError
 
     built = []
-    factory = _wrap_engine_factory(lambda cls, engine_args: built.append(engine_args))
+    factory = wrap_engine_factory(lambda cls, engine_args: built.append(engine_args))
     offload = {"expert_offload": {"host_fraction": 0.5, "record_stats": str(tmp_path / "s.json")}}
     with pytest.raises(OffloadOptionError, match="record_stats: under data parallelism .* Record with vllm serve"):
         factory(None, SimpleNamespace(additional_config=offload, data_parallel_size=2))

@@ -70,12 +70,12 @@ def test_older_vllm_refused_unless_overridden(monkeypatch: pytest.MonkeyPatch, o
 
 
 def test_kv_fix_installs_on_a_newer_vllm_and_refuses_an_older_one() -> None:
-    from vllm_expert_offload.integration.kv import fix
+    from vllm_expert_offload.integration.vllm_hooks import install_kv_fix
 
-    fix.install()
-    assert fix.install("0.34.0") == []  # checked, and already in: nothing to wrap again
+    install_kv_fix()
+    assert install_kv_fix("0.34.0") == []  # checked, and already in: nothing to wrap again
     with pytest.raises(HookError, match=r"older vLLM 0\.31\.0.*Set VLLM_EXPERT_OFFLOAD_KV_FIX=0 to start without it"):
-        fix.install("0.31.0")
+        install_kv_fix("0.31.0")
 
 
 def test_plugin_registers_and_plans_on_a_newer_vllm(monkeypatch: pytest.MonkeyPatch, warnings: list[str],
@@ -153,11 +153,11 @@ def test_startup_hooks_go_through_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.v1.engine.llm_engine as llm_engine
     import vllm.v1.worker.gpu_worker as gpu_worker
 
-    from vllm_expert_offload.integration.startup import crash_line, engine_hooks
+    from vllm_expert_offload.integration.vllm_hooks import install_crash_line, install_engine_hooks
 
-    crash_line.install_crash_line(0.03, [1])
-    engine_hooks.install()
-    assert not crash_line.install_crash_line(0.03, [1]) and engine_hooks.install() == 0
+    install_crash_line(0.03, [1])
+    install_engine_hooks()
+    assert not install_crash_line(0.03, [1]) and install_engine_hooks() == 0
     assert getattr(gpu_worker.Worker.initialize_from_config, SENTINEL, False)
     factory = llm_engine.LLMEngine.__dict__["from_engine_args"]
     assert isinstance(factory, classmethod) and getattr(factory.__func__, SENTINEL, False)
@@ -167,4 +167,4 @@ def test_startup_hooks_go_through_hook(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gpu_worker.Worker, "initialize_from_config", changed)
     with pytest.raises(HookError, match=r"Worker.initialize_from_config takes \('self', 'kv_cache_config', 'extra'\)"):
-        crash_line.install_crash_line(0.03, [1])
+        install_crash_line(0.03, [1])

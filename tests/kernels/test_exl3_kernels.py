@@ -89,6 +89,8 @@ _REGISTER_PATH_CHECK = """
 import numpy as np, torch
 from vllm_expert_offload.exl3 import parse_linear
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
+from vllm_expert_offload.kernels.triton_decode import _REGISTER_WINDOWS
+assert _REGISTER_WINDOWS.value is True  # the environment variable took: the compiled path's register form
 from support import exl3_reference as ref
 from support.layers import make_layer
 from support.moe_layers import decode_with_kernel
@@ -110,7 +112,7 @@ def test_register_windows_form_is_bit_exact_in_the_interpreter() -> None:
     from pathlib import Path
 
     tests = Path(__file__).parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", VEO_TRITON_REGISTER_DECODE="1",
+    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_EXPERT_OFFLOAD_TRITON_REGISTER_DECODE="1",
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", _REGISTER_PATH_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -22,6 +22,7 @@ from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
 from vllm_expert_offload.kernels.oracle import BackendUnavailable, KernelChoice, build_linear_kernel
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.memory import HostArena
+from vllm_expert_offload.offload.phase import PHASE
 from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 from vllm_expert_offload.tools.random_layers import random_linear
 
@@ -197,18 +198,19 @@ def test_moe_refuses_a_layer_outside_its_constraints(fake_ext) -> None:
         Exllamav3MoE(mixed + layer.experts[1:], layer.pointer_tables, None, ExpertCrop(96, 128, 0), CPU, ext=fake_ext)
 
 
-def test_warm_up_runs_once_in_the_profile_run(fake_ext, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exllamav3_backend, "profiling", lambda: True)
+def test_warm_up_runs_once_in_the_profile_run(fake_ext) -> None:
     layer = _layer(fake_ext)
-    layer.forward(*_routing(2, top_k=2), False)
-    layer.forward(*_routing(2, top_k=2), False)
+    with PHASE.profiling_pass():
+        layer.forward(*_routing(2, top_k=2), False)
+        layer.forward(*_routing(2, top_k=2), False)
     assert fake_ext.calls == ["exl3_moe_coop"] * 9 + ["exl3_moe_max_concurrency", "exl3_moe", "exl3_moe_gather",
                                                       "exl3_moe_coop"]
     linear = Exllamav3Linear([LinearShard(random_linear(torch.Generator(), 128, 128, 4), 0, 128, 128, 0, 128)], CPU,
                              capture_rows=(1, 4, 16), ext=fake_ext)
     fake_ext.calls.clear()
-    linear.forward(torch.randn(2, 128))
-    linear.forward(torch.randn(2, 128))
+    with PHASE.profiling_pass():
+        linear.forward(torch.randn(2, 128))
+        linear.forward(torch.randn(2, 128))
     assert fake_ext.calls == ["exl3_gemm"] * 5  # three capture sizes, then the two calls
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -241,3 +242,21 @@ def test_bad_cpu_tier_values_refused_with_key_named(cpu_tier, named: str) -> Non
 def test_cpu_tier_without_a_host_tier_refused() -> None:
     with pytest.raises(OffloadOptionError, match=r"expert_offload\.cpu_tier: only used together with"):
         parse_offload_options({"expert_offload": {"cpu_tier": {}}})
+
+
+def test_options_are_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API process's check and the first layer's read, in one process, parse once (the record_stats write
+    probe runs once); equal objects share the result, another object is parsed, a refusal is raised each time."""
+    from vllm_expert_offload.offload import options
+
+    calls = []
+    monkeypatch.setattr(options, "_PARSED", {})
+    monkeypatch.setattr(options, "_parse", lambda raw, parse=options._parse: calls.append(raw) or parse(raw))
+    config = {"expert_offload": {"host_fraction": 0.25, "record_stats": str(tmp_path / "stats.json")}}
+    first = parse_offload_options(config)
+    assert parse_offload_options(json.loads(json.dumps(config))) is first and len(calls) == 1
+    assert parse_offload_options({"expert_offload": {"host_fraction": 0.5}}).host_fraction == 0.5 and len(calls) == 2
+    for _ in range(2):
+        with pytest.raises(OffloadOptionError, match="host_fraction"):
+            parse_offload_options({"expert_offload": {"host_fraction": 2}})
+    assert len(calls) == 4

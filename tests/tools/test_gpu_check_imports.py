@@ -49,8 +49,8 @@ for path in {FILES!r}:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-from vllm_expert_offload.offload.phase import profiling
-assert profiling() is False  # read in every exllamav3 forward
+from vllm_expert_offload.offload.phase import PHASE
+assert PHASE.profiling is False  # read in every exllamav3 forward
 assert "vllm" not in sys.modules
 print("imported")
 """)

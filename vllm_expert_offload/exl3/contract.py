@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import InvalidStateError
 from ..validation import refuse_unknown
 from .bitrate import HALF_K, INTEGER_K
 from .codebook import Codebook
@@ -71,7 +72,7 @@ class MixedContract:
         if self.mtp_experts != "source":
             return False
         if self.mtp_start_layer is None:
-            raise RuntimeError("mtp_experts_start_layer was not resolved against config.json (with_draft_start)")
+            raise InvalidStateError("mtp_experts_start_layer was not resolved against config.json (with_draft_start)")
         return layer >= self.mtp_start_layer
 
     def with_draft_start(self, num_layers: int) -> MixedContract:

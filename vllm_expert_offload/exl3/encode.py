@@ -19,7 +19,7 @@ from functools import cache, lru_cache
 
 import torch
 
-from ..errors import ExpertOffloadError
+from ..errors import ExpertOffloadError, InvalidValueError
 from .bitrate import HALF_K, INTEGER_K, POSITIONS, check_k_codebook, position_bits
 from .codebook import Codebook, codebook_table
 from .errors import Exl3FormatError
@@ -132,7 +132,7 @@ def compiled_viterbi(viterbi: str | None = None) -> ViterbiSearch | None:
     choice = viterbi or os.environ.get(VITERBI_ENV) or "auto"
     source = f"viterbi={choice}" if viterbi else f"{VITERBI_ENV}={choice}"
     if choice not in VITERBI_BACKENDS:
-        raise ValueError(f"{source}: expected one of {', '.join(VITERBI_BACKENDS)}")
+        raise InvalidValueError(f"{source}: expected one of {', '.join(VITERBI_BACKENDS)}")
     if choice == "torch":
         _log_torch_encoder(source)
         return None

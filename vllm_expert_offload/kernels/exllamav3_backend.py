@@ -32,12 +32,13 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidValueError
 from ..exl3.bitrate import HALF_K, INTEGER_K
 from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena
-from ..offload.phase import profiling
+from ..offload.phase import PHASE
 from ..offload.tiers import PlacedExpert
 from .contract import Backend, ExpertCrop
 from .linear import LinearShard
@@ -223,7 +224,7 @@ class _CoopScratch:
     def allocate(cls, top_k: int, hidden: int, intermediate: int, device: torch.device) -> _CoopScratch:
         slots = COOP_MAX_TOKENS * top_k
         if slots > COOP_MAX_SLOTS:
-            raise ValueError(f"exl3_moe_coop holds {COOP_MAX_SLOTS} slots; top-k {top_k} needs {slots}")
+            raise InvalidValueError(f"exl3_moe_coop holds {COOP_MAX_SLOTS} slots; top-k {top_k} needs {slots}")
         ctr = (slots * (intermediate // 128) + COOP_MAX_TOKENS * (hidden // 128) + 2 + (slots + 1) + slots)
         half, fp32 = dict(dtype=torch.float16, device=device), dict(dtype=torch.float32, device=device)
         return cls(
@@ -258,7 +259,7 @@ class Exllamav3MoE:
     ) -> None:
         refusal = moe_refusal(experts, crop, None)
         if refusal is not None:
-            raise ValueError(f"the exllamav3 backend cannot compute this layer: {refusal}")
+            raise InvalidValueError(f"the exllamav3 backend cannot compute this layer: {refusal}")
         self.ext = ext if ext is not None else load_ext()
         # The tables hold only raw addresses: own what they point to (GPU-tier tensors, scale stacks, the arena).
         self.experts, self.arena, self.pointer_tables = list(experts), arena, tables
@@ -282,7 +283,7 @@ class Exllamav3MoE:
         tokens, top_k = topk_ids.shape
         if apply_router_weight_on_input:
             if top_k != 1:
-                raise ValueError("router weights on the input need top-k 1 (as vLLM requires)")
+                raise InvalidValueError("router weights on the input need top-k 1 (as vLLM requires)")
             x, topk_weights = x * topk_weights.to(x.dtype), torch.ones_like(topk_weights)
         hidden = F.pad(x, (0, self.width - x.shape[1])).to(torch.float16).contiguous()
         weights, ids = topk_weights.to(torch.float16).contiguous(), topk_ids.to(torch.int64).contiguous()
@@ -291,7 +292,7 @@ class Exllamav3MoE:
         else:
             out = torch.cat([self._prefill(hidden[s : s + MOE_ROWS], weights[s : s + MOE_ROWS], ids[s : s + MOE_ROWS])
                              for s in range(0, tokens, MOE_ROWS)])
-        if profiling() and not self.warm:
+        if PHASE.profiling and not self.warm:
             self.warm_up(top_k)
         # Contiguous as exl3_moe's fake promises (kernels/ops.py): a padded width's slice of an fp32 output is a
         # strided view, which `.to(float32)` would hand back as it is.
@@ -375,7 +376,7 @@ class Exllamav3Linear(RotatedLinear):
                  ext: ModuleType | None = None) -> None:
         refusal = linear_refusal(shards)
         if refusal is not None:
-            raise ValueError(f"the exllamav3 backend cannot compute this linear: {refusal}")
+            raise InvalidValueError(f"the exllamav3 backend cannot compute this linear: {refusal}")
         super().__init__(shards, device, backend=None)  # shard_product below replaces the launcher
         self.ext = ext if ext is not None else load_ext()
         self.device = device
@@ -393,7 +394,7 @@ class Exllamav3Linear(RotatedLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if profiling() and not self.warm:
+        if PHASE.profiling and not self.warm:
             self.warm_up(self.capture_rows)
         return super().forward(x)
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import InvalidValueError
 from ..exl3.naming import PROJECTIONS
 from ..offload.cache_policy import CacheSettings, ExpertCache
 from ..offload.counters import TierCounters
@@ -55,11 +56,13 @@ class ExpertSlots:
     ) -> None:
         device = torch.device(device)
         if len(initial) != len(experts):
-            raise ValueError(f"initial marks {len(initial)} experts, the layer has {len(experts)}")
+            raise InvalidValueError(f"initial marks {len(initial)} experts, the layer has {len(experts)}")
         layouts = [record_layout(expert.projections) for expert in experts]
         too_big = [e for e, (_, size) in enumerate(layouts) if size > slot_bytes]
         if too_big:
-            raise ValueError(f"expert {too_big[0]} needs {layouts[too_big[0]][1]} bytes, a slot holds {slot_bytes}")
+            raise InvalidValueError(
+                f"expert {too_big[0]} needs {layouts[too_big[0]][1]} bytes, a slot holds {slot_bytes}"
+            )
         self.num_experts, self.slot_bytes = len(experts), slot_bytes
         self.tables, self.counters, self.counter_row = tables, counters, counter_row
         marks = torch.tensor([bool(m) for m in initial], dtype=torch.bool)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidValueError
 from ..exl3.codebook import Codebook
 from ..exl3.tensors import Exl3Linear
 
@@ -40,11 +41,11 @@ def matrix_table(
     shapes = {(layer.in_features, layer.out_features) for layer in layers}
     if len(shapes) != 1:
         names = [layer.name for layer in layers[:3]]
-        raise ValueError(f"one launch reads matrices of one shape; {names}... have shapes {sorted(shapes)}")
+        raise InvalidValueError(f"one launch reads matrices of one shape; {names}... have shapes {sorted(shapes)}")
     (in_features, out_features), = shapes
     strided = [layer.name for layer in layers if not layer.trellis.is_contiguous()]
     if strided:
-        raise ValueError(f"{strided[0]}.trellis is a strided view; kernels read tiles as one dense grid")
+        raise InvalidValueError(f"{strided[0]}.trellis is a strided view; kernels read tiles as one dense grid")
     ids = [CODEBOOK_IDS[layer.codebook] for layer in layers]
     twice_k = [int(2 * layer.k) for layer in layers]
     return MatrixTable(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import InvalidValueError
 from ..exl3.codebook import Codebook
 from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
@@ -31,7 +32,7 @@ def kernel_address(arena: HostArena | None, device: torch.device | str) -> Calla
         if arena is not None and arena.contains(tensor):
             return arena.device_address(arena.offset_of(tensor))
         if tensor.device.type != device.type:
-            raise ValueError(
+            raise InvalidValueError(
                 f"a {tensor.device} tensor outside the host arena has no address a {device} kernel can read"
             )
         return tensor.data_ptr()
@@ -84,7 +85,9 @@ def build_pointer_tables(
     for e, expert in enumerate(experts):
         missing = [p for p in PROJECTIONS if p not in expert.projections]
         if missing:
-            raise ValueError(f"expert {e} lacks projection(s) {missing}; pointer tables need {list(PROJECTIONS)}")
+            raise InvalidValueError(
+                f"expert {e} lacks projection(s) {missing}; pointer tables need {list(PROJECTIONS)}"
+            )
     pointers = {
         (p, part): torch.tensor(
             [addresses(getattr(expert.projections[p], part)) for expert in experts], dtype=torch.int64, device=device
@@ -122,7 +125,7 @@ def read_trellis(
     if tensor is None:
         raise KeyError(f"no registered trellis at address {address:#x}")
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.int16:
-        raise ValueError(
+        raise InvalidValueError(
             f"trellis at {address:#x} is {tensor.dtype} {tuple(tensor.shape)}, expected torch.int16 {tuple(shape)}"
         )
     return tensor

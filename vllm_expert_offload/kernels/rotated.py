@@ -28,14 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidValueError
 from ..exl3.hadamard import hadamard_last
 from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
 from .activation import silu_and_mul
 from .contract import ExpertCrop, LinearLayer, MoELayer
-from .expert_slots import ExpertSlots
 from .expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
+from .expert_slots import ExpertSlots
 from .linear import LinearShard
 from .matrix_table import MatrixTable, matrix_table, own_addresses
 from .pointer_tables import PointerTables, ScaleStacks
@@ -79,7 +80,7 @@ class RotatedMoE:
         cache: ExpertSlots | None = None,
     ) -> None:
         if cache is not None and not backend.write_through:
-            raise ValueError(f"the {backend.name} launcher cannot write an expert through into a cache slot")
+            raise InvalidValueError(f"the {backend.name} launcher cannot write an expert through into a cache slot")
         self.backend = backend
         self.cache = cache
         # The tables hold only raw addresses: own what they point to (GPU-tier tensors, the host arena).

@@ -39,9 +39,10 @@ import triton.language as tl
 COMPILED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 # The interpreter runs each of a group's 32 windows as separate small numpy ops, which made the CPU tests 2.4x
 # slower; there the same windows come from one vectorised gather of 32-bit words (same formulas, same codebook,
-# same permutation). VEO_TRITON_REGISTER_DECODE=1 keeps the compiled path's register form in the interpreter too.
+# same permutation). VLLM_EXPERT_OFFLOAD_TRITON_REGISTER_DECODE=1 keeps the compiled path's register form in the
+# interpreter too.
 _REGISTER_WINDOWS: tl.constexpr = tl.constexpr(
-    os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("VEO_TRITON_REGISTER_DECODE") == "1")
+    os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("VLLM_EXPERT_OFFLOAD_TRITON_REGISTER_DECODE") == "1")
 
 # __hfma(1024 + bs, fp16(0x1EEE), fp16(0xC931)) = (bs · 1774 + 1024 · 1774 - 2721792) · 2^-18: exact in fp32
 # (an integer numerator below 2^21), so one fp32 FMA and one rounding to fp16 give the fp16 FMA's result.

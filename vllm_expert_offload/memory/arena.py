@@ -37,7 +37,7 @@ import platform
 
 import torch
 
-from ..errors import ExpertOffloadError
+from ..errors import ExpertOffloadError, InvalidStateError, InvalidValueError
 from . import _cuda_host
 from .topology import format_cpulist, node_free_bytes, online_numa_nodes
 
@@ -135,10 +135,10 @@ class HostArena:
 
     def __init__(self, capacity_bytes: int, *, device: torch.device | str = "cpu", numa_node: int | None = None):
         if capacity_bytes <= 0:
-            raise ValueError(f"arena capacity must be positive, got {capacity_bytes}")
+            raise InvalidValueError(f"arena capacity must be positive, got {capacity_bytes}")
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"arena device must be cpu or cuda, got {self.device}")
+            raise InvalidValueError(f"arena device must be cpu or cuda, got {self.device}")
         self._capacity = align_up(capacity_bytes)
         self._used = 0
         self._state = _Mapping(self._capacity)
@@ -169,7 +169,7 @@ class HostArena:
             return None
         nodes = online_numa_nodes()
         if nodes and node not in nodes:
-            raise ValueError(f"arena NUMA node {node} is not online (online nodes: {format_cpulist(nodes)})")
+            raise InvalidValueError(f"arena NUMA node {node} is not online (online nodes: {format_cpulist(nodes)})")
         if len(nodes) <= 1:
             logger.info("arena: NUMA binding to node %d skipped: the kernel reports %s", node,
                         "one NUMA node" if nodes else "no NUMA nodes")
@@ -193,7 +193,7 @@ class HostArena:
 
     def _require_open(self) -> None:
         if self._state.released:
-            raise RuntimeError("the host arena is closed")
+            raise InvalidStateError("the host arena is closed")
 
     @property
     def capacity_bytes(self) -> int:
@@ -208,7 +208,7 @@ class HostArena:
         the model)."""
         self._require_open()
         if nbytes <= 0:
-            raise ValueError(f"record size must be positive, got {nbytes}")
+            raise InvalidValueError(f"record size must be positive, got {nbytes}")
         end = self._used + align_up(nbytes)
         if end > self._capacity:
             raise ArenaFullError(
@@ -224,16 +224,16 @@ class HostArena:
         self._require_open()
         nbytes = math.prod(shape) * dtype.itemsize
         if offset % dtype.itemsize:
-            raise ValueError(f"offset {offset} is not aligned to {dtype} ({dtype.itemsize} bytes)")
+            raise InvalidValueError(f"offset {offset} is not aligned to {dtype} ({dtype.itemsize} bytes)")
         if offset < 0 or offset + nbytes > self._used:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the {self._used} reserved bytes")
+            raise InvalidValueError(f"bytes [{offset}, {offset + nbytes}) are outside the {self._used} reserved bytes")
         return self._buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     def device_address(self, offset: int) -> int:
         """The address a GPU kernel dereferences for this offset: the mapped device alias under CUDA, the host
         address otherwise."""
         if not 0 <= offset < self._capacity:
-            raise ValueError(f"offset {offset} is outside the arena's {self._capacity} bytes")
+            raise InvalidValueError(f"offset {offset} is outside the arena's {self._capacity} bytes")
         return self._device_base + offset
 
     def _offset(self, tensor: torch.Tensor) -> int | None:
@@ -252,7 +252,7 @@ class HostArena:
     def offset_of(self, tensor: torch.Tensor) -> int:
         offset = self._offset(tensor)
         if offset is None:
-            raise ValueError(f"tensor at {tensor.data_ptr():#x} does not lie inside the host arena")
+            raise InvalidValueError(f"tensor at {tensor.data_ptr():#x} does not lie inside the host arena")
         return offset
 
     def close(self) -> None:
@@ -260,7 +260,7 @@ class HostArena:
         if self._state.released:
             return
         if self._storage_uses() > self._base_uses:
-            raise RuntimeError("host arena still has live views; drop every tensor viewing it before close()")
+            raise InvalidStateError("host arena still has live views; drop every tensor viewing it before close()")
         del self._buffer
         self._state.end()
 

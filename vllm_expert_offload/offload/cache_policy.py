@@ -31,12 +31,12 @@ plan), while still counting hits and misses. Negative ids (padding) are neither 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
 
-from ..errors import ExpertOffloadError
+from ..errors import ExpertOffloadError, InvalidValueError
 from ..validation import finite_number, refuse_unknown
 
 POLICIES = ("decayed-lfu", "lru", "off")
@@ -54,15 +54,18 @@ class CacheSettingsError(ExpertOffloadError, ValueError):
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """`"expert_offload": {"dynamic": {"policy": ..., "half_life_tokens": H}}`, parsed and checked."""
+    """`"expert_offload": {"dynamic": {"policy": ..., "half_life_tokens": H}}`, checked here, once, however it is
+    built (the JSON reader below, the simulator's flags, tests); `where` names the object in a refusal."""
 
     policy: str = "decayed-lfu"
     half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
+    where: InitVar[str] = "dynamic"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, where: str) -> None:
         if self.policy not in POLICIES:
-            raise CacheSettingsError(f"dynamic.policy: {self.policy!r} is not one of {list(POLICIES)}")
-        finite_number(self.half_life_tokens, "dynamic.half_life_tokens", CacheSettingsError, 1e-3, 1e12)
+            raise CacheSettingsError(f"{where}.policy: {self.policy!r} is not one of {list(POLICIES)}")
+        half_life = finite_number(self.half_life_tokens, f"{where}.half_life_tokens", CacheSettingsError, 1e-3, 1e12)
+        object.__setattr__(self, "half_life_tokens", half_life)  # a JSON integer read as the float it stands for
 
     @property
     def enabled(self) -> bool:
@@ -74,12 +77,8 @@ def parse_cache_settings(raw: Any, where: str = "--additional-config expert_offl
     if not isinstance(raw, dict):
         raise CacheSettingsError(f"{where}: expected an object, got {raw!r}")
     refuse_unknown(raw, ("policy", "half_life_tokens"), where, CacheSettingsError, "unknown option")
-    policy = raw.get("policy", CacheSettings.policy)
-    if policy not in POLICIES:
-        raise CacheSettingsError(f"{where}.policy: {policy!r} is not one of {list(POLICIES)}")
-    half_life = finite_number(raw.get("half_life_tokens", DEFAULT_HALF_LIFE_TOKENS), f"{where}.half_life_tokens",
-                              CacheSettingsError, 1e-3, 1e12)
-    return CacheSettings(policy, half_life)
+    return CacheSettings(raw.get("policy", CacheSettings.policy),
+                         raw.get("half_life_tokens", DEFAULT_HALF_LIFE_TOKENS), where)
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class ExpertCache:
                  pinned: torch.Tensor | None = None, initial: torch.Tensor | None = None,
                  layers: int | None = None) -> None:
         if not 0 <= slots <= num_experts:
-            raise ValueError(f"slots must be in [0, num_experts={num_experts}], got {slots}")
+            raise InvalidValueError(f"slots must be in [0, num_experts={num_experts}], got {slots}")
         self.settings = settings
         self.num_experts, self.slots, self.layers = num_experts, slots, layers
         self.device = torch.device(device)
@@ -139,7 +138,7 @@ class ExpertCache:
         value = value.detach().cpu().to(dtype)
         want = (self.num_experts,) if self.layers is None else (self.layers, self.num_experts)
         if tuple(value.shape) != want:
-            raise ValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
+            raise InvalidValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
         return value.reshape(rows, self.num_experts)
 
     def _view(self, state: torch.Tensor, width: int) -> torch.Tensor:
@@ -282,15 +281,15 @@ def _pinned_first(pinned: torch.Tensor, slots: int) -> torch.Tensor:
 def _check_assignment(start: torch.Tensor, pinned: torch.Tensor, slots: int) -> None:
     """The starting assignment must be a partial injection into [0, slots) that places every pinned expert."""
     if (pinned.sum(-1) > slots).any():
-        raise ValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
+        raise InvalidValueError(f"pinned experts need slots: {int(pinned.sum(-1).max())} pinned, {slots} slots")
     if ((start < -1) | (start >= slots)).any():
-        raise ValueError(f"initial slots must be -1 or in [0, {slots})")
+        raise InvalidValueError(f"initial slots must be -1 or in [0, {slots})")
     for row in range(start.shape[0]):
         used = start[row][start[row] >= 0]
         if len(used) != len(torch.unique(used)):
-            raise ValueError(f"initial assigns a slot to two experts (layer row {row})")
+            raise InvalidValueError(f"initial assigns a slot to two experts (layer row {row})")
     if (pinned & (start < 0)).any():
-        raise ValueError("initial leaves a pinned expert without a slot")
+        raise InvalidValueError("initial leaves a pinned expert without a slot")
 
 
 def _hash_weights(n: int, device: torch.device) -> torch.Tensor:

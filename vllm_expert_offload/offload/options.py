@@ -7,6 +7,7 @@ until the KV cache came out smaller than planned.
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from collections.abc import Callable
@@ -115,8 +116,21 @@ def _flag(raw: dict[str, Any], key: str) -> bool:
     return value
 
 
+_PARSED: dict[str, OffloadOptions] = {}  # this process's options, by their JSON text
+
+
 def parse_offload_options(additional_config: dict[str, Any] | None) -> OffloadOptions:
+    """The `expert_offload` object of vLLM's additional_config, parsed once per process: the API process checks
+    it before any engine starts and the first EXL3 layer reads it again, in the same process under `LLM(...)` or
+    without multiprocessing; both get the same frozen OffloadOptions (a refusal is not kept: it raises each time)."""
     raw = (additional_config or {}).get(OPTION_KEY)
+    key = json.dumps(raw, sort_keys=True, default=repr)
+    if key not in _PARSED:
+        _PARSED[key] = _parse(raw)
+    return _PARSED[key]
+
+
+def _parse(raw: Any) -> OffloadOptions:
     if raw is None:
         return OffloadOptions()
     if not isinstance(raw, dict):

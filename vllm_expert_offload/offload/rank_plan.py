@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import InvalidValueError
 from ..exl3.naming import PROJECTIONS
 from ..exl3.slicing import cover_input, cover_output
 from ..exl3.tensors import Exl3Linear, parse_linear
@@ -76,7 +77,7 @@ class RankExperts:
         """From vLLM's expert map under EP: [global id] -> local id, or -1 for another rank's expert."""
         local = sorted((int(slot), expert) for expert, slot in enumerate(expert_map) if slot >= 0)
         if [slot for slot, _ in local] != list(range(len(local))):
-            raise ValueError(f"expert_map {list(expert_map)} does not number this rank's experts 0..n-1")
+            raise InvalidValueError(f"expert_map {list(expert_map)} does not number this rank's experts 0..n-1")
         return cls(len(expert_map), tuple(expert for _, expert in local), ep_rank, ep_size)
 
     @classmethod
@@ -85,7 +86,7 @@ class RankExperts:
         `num_experts % ep_size` ranks one more (vLLM's determine_expert_map; tests compare the two). What `plan`
         uses offline; serving reads vLLM's own map instead."""
         if not 0 <= ep_rank < ep_size or ep_size > num_experts:
-            raise ValueError(f"ep rank {ep_rank} of {ep_size} for {num_experts} routed experts")
+            raise InvalidValueError(f"ep rank {ep_rank} of {ep_size} for {num_experts} routed experts")
         base, extra = divmod(num_experts, ep_size)
         start = ep_rank * base + min(ep_rank, extra)
         count = base + (ep_rank < extra)

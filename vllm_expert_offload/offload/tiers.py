@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import InvalidValueError
 from ..exl3.tensors import Exl3Linear
 from ..memory.arena import HostArena, align_up
 
@@ -58,7 +59,7 @@ def place_expert(
         trellises = {p: _copy_to(layer.trellis, device) for p, layer in linear_sets.items()}
     else:
         if arena is None:
-            raise ValueError("a host-tier expert needs a host arena to be placed into")
+            raise InvalidValueError("a host-tier expert needs a host arena to be placed into")
         offsets, size = record_layout(linear_sets)
         record = arena.reserve(size)
         trellises = {}

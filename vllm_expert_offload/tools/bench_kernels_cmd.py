@@ -10,8 +10,8 @@ The CPU kernel (the C++ MoE forward, which carries the CPU tier) also gets issue
 cpu_kernel_gweights_s_1tok / _8tok, and under `cpu_kernel` the same per core (per thread, one per core), the bytes/s
 it reads as a fraction of this machine's DRAM read bandwidth (a multithreaded sum over a buffer far larger than the
 caches, measured in the same run), and exllamav3 1.6.5's CPU MoE on the same experts, threads and inputs when a
-scratch build of it is given (--exllamav3-ext or $EXL3_CPU_SCRATCH_EXT; tools/exllamav3_cpu.py builds one), else
-the reason it is skipped.
+scratch build of it is given (--exllamav3-ext or $VLLM_EXPERT_OFFLOAD_EXL3_CPU_SCRATCH_EXT; tools/exllamav3_cpu.py
+builds one), else the reason it is skipped.
 
 With --static, no timing: the Triton backend's kernels compiled for sm_90 and sm_120 (no GPU needed), their
 registers, spills, shared memory, trellis load width and decode-loop instructions per weight, the launches of its

@@ -20,7 +20,7 @@ import torch
 
 from ..exl3.naming import PROJECTIONS
 
-ENV = "EXL3_CPU_SCRATCH_EXT"  # path of an earlier build's exl3cpu_scratch.so
+ENV = "VLLM_EXPERT_OFFLOAD_EXL3_CPU_SCRATCH_EXT"  # path of an earlier build's exl3cpu_scratch.so
 
 
 EXLLAMAV3 = "exllamav3==1.6.5"
@@ -98,7 +98,7 @@ class Exllamav3Layer:
 
 
 def exllamav3_from(path: Path | str | None):
-    """(module, "") loaded from `path` (or $EXL3_CPU_SCRATCH_EXT), or (None, why not)."""
+    """(module, "") loaded from `path` (or $VLLM_EXPERT_OFFLOAD_EXL3_CPU_SCRATCH_EXT), or (None, why not)."""
     path = path or os.environ.get(ENV)
     if not path:
         return None, f"no exllamav3 build given (--exllamav3-ext or ${ENV})"

@@ -30,15 +30,7 @@ def emulated(arch: str | None) -> Iterator[None]:
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
-    platform = type(current_platform)
-    capability = DeviceCapability(*ARCHES[arch])
-    had_own = "get_device_capability" in platform.__dict__
-    original = platform.__dict__.get("get_device_capability")
-    platform.get_device_capability = classmethod(lambda cls, device_id=0: capability)
-    try:
+    from ..integration.vllm_hooks import EMULATED_CAPABILITY
+
+    with EMULATED_CAPABILITY.applied(type(current_platform), DeviceCapability(*ARCHES[arch])):
         yield
-    finally:
-        if had_own:
-            platform.get_device_capability = original
-        else:
-            del platform.get_device_capability

@@ -30,6 +30,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import ToolInputError
+
 _INSTRUCTION = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s*(.*)$")
 _REGISTER = re.compile(r"%[a-z]+\d+")
 _VECTOR = re.compile(r"\.v(\d)")
@@ -99,7 +101,7 @@ def load_bits(ins: Instruction) -> int:
         return 8 * int(size, 0)
     width = _WIDTH.search(ins.opcode)
     if width is None:
-        raise ValueError(f"no access width in {ins.opcode!r}")
+        raise ToolInputError(f"no access width in {ins.opcode!r}")
     vector = _VECTOR.search(ins.opcode)
     return int(width.group(1)) * (int(vector.group(1)) if vector else 1)
 
@@ -224,7 +226,7 @@ def decode_loop_ptx_instructions(ptx: str, loads: list[Instruction]) -> int:
     counts = [len(_statements([lines[i] for i in sorted(_with_nested(loops, header))]))
               for header, loop in loops.items() if load_lines & set(loop.lines)]
     if not counts:
-        raise ValueError("no loop of the kernel holds a trellis load: is the decode outside the K loop?")
+        raise ToolInputError("no loop of the kernel holds a trellis load: is the decode outside the K loop?")
     return max(counts)
 
 
@@ -248,8 +250,10 @@ def decode_loop_sass_instructions(sass: str, trellis_lines: set[tuple[str, int]]
     loop holds one (e.g. ptxas unrolled it)."""
     lines = sass.splitlines()
     if not any(_SASS_LINE_INFO.search(t) for t in lines):
-        raise ValueError("the SASS has no line info: disassemble with nvdisasm -g a cubin ptxas made with -lineinfo "
-                         "(unset TRITON_DISABLE_LINE_INFO)")
+        raise ToolInputError(
+            "the SASS has no line info: disassemble with nvdisasm -g a cubin ptxas made with -lineinfo "
+            "(unset TRITON_DISABLE_LINE_INFO)"
+        )
     labels = {m.group(1): i for i, t in enumerate(lines) if (m := _SASS_LABEL.match(t.strip()))}
     trellis_at, where = [], None
     for i, text in enumerate(lines):

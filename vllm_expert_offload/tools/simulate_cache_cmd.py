@@ -16,6 +16,7 @@ from ..offload.cache_policy import DEFAULT_HALF_LIFE_TOKENS, POLICIES, CacheSett
 from ..placement.errors import PlacementError
 from .cache_replay import STATIC, replay_cache, slots_per_layer, static_host_share
 from .cache_workloads import Workload, load_workload
+from .errors import ToolInputError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +54,7 @@ def load_stream(args: argparse.Namespace) -> tuple[CacheSettings, Workload]:
                              seed=args.seed)
     if args.max_tokens is not None:
         if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens: {args.max_tokens} is below 1")
+            raise ToolInputError(f"--max-tokens: {args.max_tokens} is below 1")
         workload = workload.prefix(args.max_tokens)
     return settings, workload
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..kernels.static_spec import LayerShape, StaticKernel
 from . import ptx_analysis
+from .errors import ToolInputError, ToolRunError
 from .json_child import resolve, run_json
 
 TARGETS = {"sm_90": 90, "sm_120": 120}
@@ -53,7 +54,7 @@ def _alignment_attrs(kernel: StaticKernel) -> dict[tuple[int], list]:
     runtime = [name for name in kernel.signature if name not in kernel.constexprs]
     wrong = [name for name in kernel.aligned if name not in runtime]
     if wrong:
-        raise ValueError(f"{kernel.name}: aligned {wrong} are not runtime arguments of {runtime}")
+        raise ToolInputError(f"{kernel.name}: aligned {wrong} are not runtime arguments of {runtime}")
     return {(kernel.fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.aligned}
 
 
@@ -114,7 +115,7 @@ def ptxas_usage(compiled: Compiled) -> dict[str, int]:
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if not registers or not spills:
-        raise RuntimeError(f"ptxas -v printed no register/spill line:\n{log}")
+        raise ToolRunError(f"ptxas -v printed no register/spill line:\n{log}")
     return {"registers": int(registers.group(1)), "spills": int(spills.group(1)) + int(spills.group(2))}
 
 
@@ -122,7 +123,9 @@ def _param_index(kernel: StaticKernel) -> int:
     """Position of `trellis_arg` among the PTX entry's parameters (the runtime arguments, in order)."""
     runtime = [name for name in kernel.signature if name not in kernel.constexprs]
     if kernel.trellis_arg not in runtime:
-        raise ValueError(f"{kernel.name}: trellis_arg {kernel.trellis_arg!r} is not a runtime argument of {runtime}")
+        raise ToolInputError(
+            f"{kernel.name}: trellis_arg {kernel.trellis_arg!r} is not a runtime argument of {runtime}"
+        )
     return runtime.index(kernel.trellis_arg)
 
 
@@ -144,8 +147,8 @@ def analyse(kernel: StaticKernel, capability: int) -> dict:
         return {**usage, "trellis_load_bits": None, "ptx_per_weight": None, "sass_per_weight": None}
     loads = ptx_analysis.trellis_loads(compiled.ptx, _param_index(kernel), kernel.trellis_indirection)
     if not loads:
-        raise ValueError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
-                         f"{kernel.trellis_indirection} address load(s); is trellis_arg right?")
+        raise ToolInputError(f"{kernel.name}: no global load derives from {kernel.trellis_arg!r} through "
+                             f"{kernel.trellis_indirection} address load(s); is trellis_arg right?")
     weights_per_thread = kernel.weights_per_iteration / (kernel.num_warps * 32)
     sass_loop = ptx_analysis.decode_loop_sass_instructions(_sass(compiled.cubin),
                                                            ptx_analysis.source_lines(compiled.ptx, loads))
@@ -176,8 +179,8 @@ def _launched(kernels: list[StaticKernel], shape: LayerShape, target: str, capab
     names = [k.name for k in launched]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"{shape.model} on {target}: more than one variant named {repeated}; "
-                         "say which target launches each (StaticKernel.launched_on)")
+        raise ToolInputError(f"{shape.model} on {target}: more than one variant named {repeated}; "
+                             "say which target launches each (StaticKernel.launched_on)")
     return launched
 
 

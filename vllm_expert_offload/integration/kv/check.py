@@ -22,7 +22,8 @@ from ...kv.rules import KVBlockLayoutError
 from ...units import GIB
 from . import declarations
 from .facts import layer_spec
-from .fix import ENV_SWITCH, fix_enabled, install
+from ..vllm_hooks import install_kv_fix
+from .fix import ENV_SWITCH, fix_enabled
 from .model_specs import layer_specs
 
 if TYPE_CHECKING:
@@ -232,7 +233,7 @@ def check_kv(
     capability queries answer for `request.gpu_arch` while specs are built and planned (tools/gpu_arch.py)."""
     import vllm
 
-    install()
+    install_kv_fix()
     config = _step("config", _vllm_config, request)
     fix = "on" if fix_enabled() else f"off ({ENV_SWITCH}=0)"
     gpu = f", --gpu-arch {request.gpu_arch}" if request.gpu_arch else ""

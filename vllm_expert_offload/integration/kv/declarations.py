@@ -5,9 +5,9 @@ vLLM's planning and its worker checks (`select_common_block_size`, `prepare_kern
 so everything passes and the first attention call has no kernel. The spec hook (fix.py) calls `align` for every
 backend it meets, before it resolves a block size: a backend the truth table lists, on a GPU where its declaration
 for that cache differs from the table, gets its `get_supported_kernel_block_sizes` wrapped (a `patching.Hook` on
-the backend's own class, signature-checked) to return the table's sizes. Where vLLM already declares what the
-table says (its later revisions do), nothing is wrapped, and the summary line says so. A tabled backend on a GPU
-the table gives it no kernels for is refused at once.
+the backend's own class, signature-checked, declared in vllm_hooks.py) to return the table's sizes. Where vLLM
+already declares what the table says (its later revisions do), nothing is wrapped, and the summary line says so. A
+tabled backend on a GPU the table gives it no kernels for is refused at once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ...kv.kernel_pages import CAPABILITIES, KernelPages, kernel_pages, no_kernel, tabled
 from ...kv.rules import KVBlockLayoutError
-from ..patching import SENTINEL, Hook
+from ..patching import SENTINEL
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionBackend, MultipleOf
@@ -72,18 +72,23 @@ def table_sizes(row: KernelPages, spec: KVCacheSpec) -> list[int | MultipleOf]:
     return [*exact, *(MultipleOf(base) for base in bases)]
 
 
-def _wrap_declaration(name: str) -> Callable[[Callable], Callable]:
-    def wrap(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def get_supported_kernel_block_sizes(kv_cache_spec=None):
-            capability = running_capability()
-            row = None if capability is None or kv_cache_spec is None else kernel_pages(name, capability)
-            # Without a spec (vLLM's default block-size choice, before specs exist) the compression is unknown.
-            return original(kv_cache_spec) if row is None else table_sizes(row, kv_cache_spec)
+def wrap_declaration(original: Callable, name: str) -> Callable:
+    """Backend `name`'s declaration, answered from the truth table where it has a row for the running GPU."""
 
-        return get_supported_kernel_block_sizes
+    @functools.wraps(original)
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        capability = running_capability()
+        row = None if capability is None or kv_cache_spec is None else kernel_pages(name, capability)
+        # Without a spec (vLLM's default block-size choice, before specs exist) the compression is unknown.
+        return original(kv_cache_spec) if row is None else table_sizes(row, kv_cache_spec)
 
-    return wrap
+    return get_supported_kernel_block_sizes
+
+
+def answer_capability(original: Callable, capability: object) -> classmethod:
+    """The platform's `get_device_capability`, answering `capability` for every device: `check-kv --gpu-arch`
+    plans for a GPU this machine lacks (vllm_hooks.EMULATED_CAPABILITY; tools/gpu_arch.py)."""
+    return classmethod(lambda cls, device_id=0: capability)
 
 
 def align(backend: type[AttentionBackend], spec: KVCacheSpec) -> None:
@@ -103,8 +108,9 @@ def align(backend: type[AttentionBackend], spec: KVCacheSpec) -> None:
         confirmed.add(key)
         return
     corrected[key] = (_describe(declared), _describe(truth))
-    Hook(backend.__module__, f"{backend.__qualname__}.{DECLARATION}", ("kv_cache_spec",),
-         _wrap_declaration(name)).install()
+    from ..vllm_hooks import align_kernel_pages  # vllm_hooks declares this module's wrapper: imported at use
+
+    align_kernel_pages(backend)
 
 
 def summary() -> str:

@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from ...errors import InvalidValueError
 from ...kv.rules import GroupFacts, check_block_sizes, kernel_block_sizes, resolve_block_sizes
-from ..patching import Hook, HookError
 from . import declarations
 
 if TYPE_CHECKING:
@@ -61,11 +61,11 @@ def fix_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """The switch is "1" (default) or "0"; anything else is refused rather than guessed."""
     value = environ.get(ENV_SWITCH, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: use 1 (default, fix on) or 0 (vLLM's own behaviour)")
+        raise InvalidValueError(f"{ENV_SWITCH}={value!r}: use 1 (default, fix on) or 0 (vLLM's own behaviour)")
     return value == "1"
 
 
-def _wrap_customize_attention_spec(original: Callable) -> Callable:
+def wrap_customize_attention_spec(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
     from .facts import layer_group, resized
 
@@ -116,7 +116,7 @@ def _summary(groups: Mapping[int, GroupFacts], kernel_sizes: list[int]) -> str:
     return f"{line}; {declared}" if declared else line
 
 
-def _wrap_prepare_kernel_block_sizes(original: Callable) -> Callable:
+def wrap_prepare_kernel_block_sizes(original: Callable) -> Callable:
     """Checked on vLLM 0.32 and 0.33 (`vllm/v1/worker/utils.py`, identical in both)."""
     from .facts import planned_groups
 
@@ -134,40 +134,3 @@ def _wrap_prepare_kernel_block_sizes(original: Callable) -> Callable:
         return kernel_sizes
 
     return prepare_kernel_block_sizes
-
-
-def _hooks() -> tuple[Hook, ...]:
-    """Each function where it is defined (later importers bind the wrapper from there) and where the runners
-    already bound it by name, if loaded."""
-    wrappers = {
-        "customize_attention_spec": (("backend", "spec"), _wrap_customize_attention_spec),
-        "prepare_kernel_block_sizes": (("kv_cache_config", "attn_groups"), _wrap_prepare_kernel_block_sizes),
-    }
-    return tuple(
-        Hook(module, name, params, wrap, loaded_only=module != UTILS)
-        for name, (params, wrap) in wrappers.items()
-        for module in (UTILS, RUNNER_V1, RUNNER_V2)
-    )
-
-
-def install(vllm_version: str | None = None) -> list[str]:
-    """Install the fix in this process; returns the targets wrapped by this call (none when already
-    installed or switched off). Every hook's version is checked before any is applied."""
-    if not fix_enabled():
-        logger.info("KV block-size fix off (%s=0): vLLM chooses block sizes on its own", ENV_SWITCH)
-        return []
-    if vllm_version is None:
-        import vllm
-
-        vllm_version = vllm.__version__
-    hooks = _hooks()
-    try:
-        for hook in hooks:
-            hook.check_version(vllm_version)
-    except HookError as exc:
-        raise HookError(
-            f"vllm-expert-offload KV block-size fix: {exc}. Set {ENV_SWITCH}=0 to start without it "
-            "(DeepSeek-V4 then needs --block-size 256; DeepSeek-V4.1 128 on SM100, 64 on SM90, and on SM120 "
-            "upstream vLLM 0.32/0.33 plans no pages FlashInfer's SM120 kernels have)."
-        ) from exc
-    return [hook.target for hook in hooks if hook.install()]

@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.worker import utils as worker_utils
 
+from ...errors import InvalidValueError
 from ...exl3.deepseek_v4 import compress_ratios
 
 LayerSpecs = dict[str, tuple[KVCacheSpec, type[AttentionBackend]]]
@@ -69,7 +70,9 @@ def attention_class(model_type: str, gpu_arch: str | None, backend_name: str | N
     classes = ATTENTION_CLASSES[model_type]
     name = backend_name or DEFAULT_BACKEND[model_type][gpu_arch]
     if name not in classes:
-        raise ValueError(f"--attention-backend {name}: {model_type} runs on {', '.join(classes)} (vLLM 0.32, 0.33)")
+        raise InvalidValueError(
+            f"--attention-backend {name}: {model_type} runs on {', '.join(classes)} (vLLM 0.32, 0.33)"
+        )
     module, on_sm120, elsewhere = classes[name]
     found = importlib.import_module(f"vllm.models.{model_type}.nvidia.{module}")
     return getattr(found, on_sm120 if gpu_arch == "sm120" else elsewhere)
@@ -165,7 +168,9 @@ def deepseek_v41_specs(vllm_config: VllmConfig, gpu_arch: str, backend_name: str
     compressed_bytes = 288 if kv_dtype == "nvfp4_ds_mla" else swa_bytes
     page_alignment = 512 if kv_mxfp8 else 576
     if kv_dtype == "nvfp4_ds_mla" and not kv_mxfp8:
-        raise ValueError(f"{layer_cls.backend_cls.get_name()} stores NVFP4 records, which need SM100 (not {gpu_arch})")
+        raise InvalidValueError(
+            f"{layer_cls.backend_cls.get_name()} stores NVFP4 records, which need SM100 (not {gpu_arch})"
+        )
     swa_kwargs = {}
     if "packed_block_stride_alignment" in inspect.signature(DeepseekV4SWACache).parameters:  # 0.33
         swa_kwargs["packed_block_stride_alignment"] = (
@@ -236,12 +241,12 @@ def layer_specs(vllm_config: VllmConfig, tp: int, backend_name: str | None, gpu_
     hf = vllm_config.model_config.hf_text_config
     if hf.model_type == "deepseek_v41":
         if gpu_arch is None:
-            raise ValueError(
+            raise InvalidValueError(
                 "DeepSeek-V4.1's kernel block sizes depend on the GPU: name it with --gpu-arch sm90|sm100|sm120"
             )
         return deepseek_v41_specs(vllm_config, gpu_arch, backend_name)
     if hf.model_type == "deepseek_v4":
         return deepseek_v4_specs(vllm_config, gpu_arch, backend_name)
     if getattr(hf, "kv_lora_rank", None):
-        raise ValueError(f"check-kv models DeepSeek-V4, V4.1 and standard attention; {hf.model_type} uses MLA")
+        raise InvalidValueError(f"check-kv models DeepSeek-V4, V4.1 and standard attention; {hf.model_type} uses MLA")
     return standard_specs(vllm_config, tp, backend_name or "FLASH_ATTN")

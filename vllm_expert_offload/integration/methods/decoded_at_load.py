@@ -28,7 +28,6 @@ from ...exl3.decode import dequantize
 from ...exl3.errors import Exl3FormatError
 from ...exl3.tensors import parse_linear
 from ...exl3.validate import CheckpointSummary
-from ..patching import Hook
 
 logger = logging.getLogger("vllm.expert_offload")
 LOADER = "vllm.model_executor.model_loader.default_loader"
@@ -95,7 +94,7 @@ def _exl3_config(model: torch.nn.Module):
     return None
 
 
-def _wrap_get_all_weights(original):
+def wrap_get_all_weights(original):
     @functools.wraps(original)
     def get_all_weights(self, model_config, model):
         weights = original(self, model_config, model)
@@ -106,10 +105,3 @@ def _wrap_get_all_weights(original):
         return decoder.transform(weights) if decoder else weights
 
     return get_all_weights
-
-
-HOOK = Hook(LOADER, "DefaultModelLoader.get_all_weights", ("self", "model_config", "model"), _wrap_get_all_weights)
-
-
-def install() -> bool:
-    return HOOK.install()

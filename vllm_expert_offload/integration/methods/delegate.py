@@ -24,7 +24,8 @@ from vllm.model_executor.layers.quantization import get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from ...exl3.contract import KEY, MixedContract
-from ..versions import VERIFIED_VLLM, refusal
+from ...exl3.errors import CheckpointRefused
+from ..versions import VERIFIED_VLLM, VLLMVersionError, refusal
 
 # What ModelConfig._verify_quantization reads from `self` (vLLM 0.32/0.33): the stand-in provides exactly these.
 VERIFY_READS = ("self.quantization", "self.model_arch_config.quantization_config", "self.hf_config",
@@ -34,13 +35,17 @@ VERIFY_READS = ("self.quantization", "self.model_arch_config.quantization_config
 def _check_version() -> None:
     version = importlib.metadata.version("vllm")
     if refusal(version) is not None:
-        raise RuntimeError(f"vllm-expert-offload: the delegate resolution follows ModelConfig._verify_quantization of "
-                           f"vLLM {'/'.join(VERIFIED_VLLM)}; found vLLM {version}. Re-check config/model.py first.")
+        raise VLLMVersionError(
+            f"vllm-expert-offload: the delegate resolution follows ModelConfig._verify_quantization of "
+            f"vLLM {'/'.join(VERIFIED_VLLM)}; found vLLM {version}. Re-check config/model.py first."
+        )
     source = inspect.getsource(ModelConfig._verify_quantization)
     missing = [name for name in VERIFY_READS if name not in source]
     if missing:
-        raise RuntimeError(f"vllm-expert-offload: vLLM {version}'s ModelConfig._verify_quantization no longer reads "
-                           f"{missing}; the delegate resolution must be re-checked")
+        raise VLLMVersionError(
+            f"vllm-expert-offload: vLLM {version}'s ModelConfig._verify_quantization no longer reads "
+            f"{missing}; the delegate resolution must be re-checked"
+        )
 
 
 def resolve_method(params: dict[str, Any], hf_config: Any) -> str:
@@ -63,6 +68,6 @@ def build_delegate(contract: MixedContract | None, hf_config: Any) -> Quantizati
     except RuntimeError:
         raise
     except Exception as exc:  # vLLM's configs raise ValueError, KeyError or their own types on bad parameters
-        raise ValueError(
+        raise CheckpointRefused(
             f"EXL3 checkpoint refused: {KEY}.non_routed_quantization: vLLM refuses {params} ({exc})"
         ) from exc

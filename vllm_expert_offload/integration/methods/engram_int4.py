@@ -22,8 +22,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ...errors import InvalidStateError
 from ...exl3.engram import SCALE_BLOCK, EngramFormat, EngramTable
-from ..patching import Hook
+from ...exl3.errors import CheckpointRefused
 
 logger = logging.getLogger("vllm.expert_offload")
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
@@ -35,8 +36,8 @@ def _shard_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if loaded_weight.dtype == torch.float8_e4m3fn:
         loaded_weight = loaded_weight.view(torch.uint8)
     if loaded_weight.dtype != torch.uint8 or loaded_weight.shape[1:] != param.shape[1:]:
-        raise ValueError(f"EXL3 checkpoint refused: engram table tensor {tuple(loaded_weight.shape)} "
-                         f"{loaded_weight.dtype} does not fit the MXINT-4 table {tuple(param.shape)}")
+        raise CheckpointRefused(f"EXL3 checkpoint refused: engram table tensor {tuple(loaded_weight.shape)} "
+                                f"{loaded_weight.dtype} does not fit the MXINT-4 table {tuple(param.shape)}")
     param.data.copy_(loaded_weight.narrow(0, param.engram_vocab_start, param.shape[0]))
 
 
@@ -49,8 +50,10 @@ class Mxint4EngramEmbedding(nn.Module):
                  cpu_offload: bool) -> None:
         super().__init__()
         if dim % SCALE_BLOCK or sum(head_sizes) > num_embeddings:
-            raise ValueError(f"EXL3 checkpoint refused: an MXINT-4 engram table of {num_embeddings} rows x {dim} "
-                             f"cannot hold heads {head_sizes}")
+            raise CheckpointRefused(
+                f"EXL3 checkpoint refused: an MXINT-4 engram table of {num_embeddings} rows x {dim} "
+                f"cannot hold heads {head_sizes}"
+            )
         self.num_embeddings, self.dim, self.block_size = num_embeddings, dim, SCALE_BLOCK
         self.cpu_offload = cpu_offload
         self.dp_size, self.tp_size = 1, tp_size
@@ -94,8 +97,10 @@ class Mxint4EngramEmbedding(nn.Module):
         from ...kernels.engram_lookup import lookup_mxint4
 
         if out.dtype != torch.bfloat16:
-            raise RuntimeError(f"MXINT-4 engram tables are looked up into bf16 rows, not {out.dtype} (vLLM's packed "
-                               f"FP8 staging reads the FP8 layout)")
+            raise InvalidStateError(
+                f"MXINT-4 engram tables are looked up into bf16 rows, not {out.dtype} (vLLM's packed "
+                f"FP8 staging reads the FP8 layout)"
+            )
         codes, scales = self._storage()
         lookup_mxint4(codes, scales, indices, out, head_start=self.head_start, local_heads=self.part_n_hash_cols,
                       vocab_start=self.vocab_start_idx)
@@ -117,45 +122,37 @@ class Mxint4EngramEmbedding(nn.Module):
 def refuse_unservable(engram_config) -> None:
     if engram_config.dp_shared_memory or engram_config.use_thp:
         flag = "dp_shared_memory" if engram_config.dp_shared_memory else "use_thp"
-        raise ValueError(f"EXL3 checkpoint refused: --engram-config {flag} lays the table out as FP8 rows; this "
-                         f"pack's engram tables are MXINT-4 (served by the plugin's own lookup); leave {flag} off")
+        raise CheckpointRefused(
+            f"EXL3 checkpoint refused: --engram-config {flag} lays the table out as FP8 rows; this "
+            f"pack's engram tables are MXINT-4 (served by the plugin's own lookup); leave {flag} off"
+        )
 
 
-def _wrap_create_embedding(tables: Mapping[int, EngramTable]):
-    def wrap(original):
-        @functools.wraps(original)
-        def _create_embedding(self, layout, layer_hash_index):
-            table = tables.get(layout.layer_ids[layer_hash_index])
-            if table is None or table.format is not EngramFormat.MXINT4:
-                return original(self, layout, layer_hash_index)
-            from vllm.config import get_current_vllm_config
-            from vllm.distributed import (
-                get_engram_dp_size,
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
+def wrap_create_embedding(original, tables: Mapping[int, EngramTable]):
+    """vLLM's `Engram._create_embedding`, building the MXINT-4 table for the layers `tables` stores so."""
 
-            engram_config = get_current_vllm_config().engram_config
-            refuse_unservable(engram_config)
-            if get_engram_dp_size() > 1:
-                raise ValueError("EXL3 checkpoint refused: an engram DP group larger than 1 stages FP8 rows "
-                                 "(EngramBatch); this pack's engram tables are MXINT-4")
-            heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
-            return Mxint4EngramEmbedding(
-                layout.num_embeddings[layer_hash_index], layout.head_dim, heads,
-                tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                cpu_offload=engram_config.cpu_offload,
-            )
+    @functools.wraps(original)
+    def _create_embedding(self, layout, layer_hash_index):
+        table = tables.get(layout.layer_ids[layer_hash_index])
+        if table is None or table.format is not EngramFormat.MXINT4:
+            return original(self, layout, layer_hash_index)
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import (
+            get_engram_dp_size,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
-        return _create_embedding
+        engram_config = get_current_vllm_config().engram_config
+        refuse_unservable(engram_config)
+        if get_engram_dp_size() > 1:
+            raise CheckpointRefused("EXL3 checkpoint refused: an engram DP group larger than 1 stages FP8 rows "
+                                    "(EngramBatch); this pack's engram tables are MXINT-4")
+        heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
+        return Mxint4EngramEmbedding(
+            layout.num_embeddings[layer_hash_index], layout.head_dim, heads,
+            tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
+            cpu_offload=engram_config.cpu_offload,
+        )
 
-    return wrap
-
-
-def install(tables: Mapping[int, EngramTable]) -> bool:
-    """Serve the MXINT-4 tables among `tables` (layer -> table, from the pack's validated headers)."""
-    if not any(t.format is EngramFormat.MXINT4 for t in tables.values()):
-        return False
-    hook = Hook(ENGRAM, "Engram._create_embedding", ("self", "layout", "layer_hash_index"),
-                _wrap_create_embedding(dict(tables)))
-    return hook.install()
+    return _create_embedding

@@ -21,8 +21,7 @@ from ...kernels.oracle import BackendUnavailable, KernelChoice, backend
 from ...offload.cache_policy import CacheSettings
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
-from ..startup.crash_line import install_crash_line
-from ..startup.profiling import install_profile_flag
+from ..vllm_hooks import install_crash_line, install_profile_flag
 from .expert_loading import ExpertLoading
 from .gathered_rows import gathered_capture_rows
 from .moe_runtime import MoERuntime
@@ -51,22 +50,23 @@ def _cache_settings(options, kernels: KernelChoice, expert_parallel: bool) -> Ca
 
 def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts | None, parallel, top_k: int,
                        device: torch.device, kernels: KernelChoice) -> ProcessPlacement:
-    """The quant config lives once per process, so it carries the process's placement (made at the first MoE
-    layer, from the options it parsed); on CUDA the crash line is checked once the KV cache is allocated, against
-    this rank's own GPU-tier experts."""
-    if quant_config.placement is None:
+    """The quant config lives once per process, so its process state carries the process's placement (made at the
+    first MoE layer, from the options parsed with the kernels); on CUDA the crash line is checked once the KV cache
+    is allocated, against this rank's own GPU-tier experts."""
+    process = quant_config.process
+    if process.placement is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        cache = _cache_settings(quant_config.options, kernels, parallel.use_ep)
+        cache = _cache_settings(process.options, kernels, parallel.use_ep)
         first_in_engine = parallel.dp_size == 1 or get_tensor_model_parallel_rank() == 0  # reports under DP
-        placement = ProcessPlacement(quant_config.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
+        placement = ProcessPlacement(process.options, quant_config.summary, geometry, top_k, device, gpu_bytes,
                                      rank, parallel.dp_rank, parallel.dp_size, cache, first_in_engine)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
-        quant_config.placement = placement
-    elif rank is not None and quant_config.placement.rank != rank:
+        process.placement = placement
+    elif rank is not None and process.placement.rank != rank:
         raise Exl3FormatError(f"expert map of this MoE layer ({rank.label()}) differs from the first layer's "
-                              f"({quant_config.placement.rank.label()}); one plan per process needs one map")
-    return quant_config.placement
+                              f"({process.placement.rank.label()}); one plan per process needs one map")
+    return process.placement
 
 
 def _rank_experts(layer: torch.nn.Module, parallel) -> RankExperts | None:

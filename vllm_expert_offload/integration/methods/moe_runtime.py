@@ -36,7 +36,7 @@ from vllm import forward_context
 from ...kernels.contract import MoEKernel
 from ...kernels.expert_slots import ExpertSlots
 from ...kernels.pointer_tables import PointerTables
-from ...offload.phase import profiling
+from ...offload.phase import PHASE
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
 from .gathered_rows import GatheredBatchError, own_rows
@@ -67,7 +67,7 @@ class MoERuntime:
     cpu_tier: CpuTierStep | None = None  # expert_offload.cpu_tier, in a layer with a host-resident expert
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if profiling():
+        if PHASE.profiling:
             return self._worst_case(x, topk_weights, topk_ids)
         padding = self._padding()
         self._record(self._rows(topk_ids), padding)

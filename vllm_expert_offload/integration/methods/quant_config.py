@@ -17,12 +17,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ...exl3.checkpoint import Exl3Checkpoint
 from ...exl3.config import Exl3QuantConfig, parse_quant_config
-from ...exl3.errors import Exl3FormatError
+from ...exl3.errors import CheckpointRefused, Exl3FormatError
 from ...exl3.validate import CheckpointSummary, validate_checkpoint
 from ...kernels.oracle import KernelChoice, choose_kernels, log_choice
 from ...offload.options import OffloadOptions, parse_offload_options
 from ...offload.process import ProcessPlacement
-from . import engram_int4
+from ..versions import VLLMVersionError
+from ..vllm_hooks import install_engram
 from .delegate import build_delegate
 
 QUANT_NAME = "exl3"
@@ -57,7 +58,7 @@ def refuse_unservable(vllm_config, summary: CheckpointSummary) -> None:
 
     draft = _draft_exl3_set(summary)
     if vllm_config.speculative_config is not None and draft is not None:
-        raise ValueError(
+        raise CheckpointRefused(
             f"EXL3 checkpoint refused: --speculative-config would load the draft layers, but {draft}.trellis is an "
             "EXL3 set in a draft layer: the placement plan covers the main model's routed experts only. Serve "
             "without speculative decoding, or a pack whose draft layers stay in their source format "
@@ -66,12 +67,12 @@ def refuse_unservable(vllm_config, summary: CheckpointSummary) -> None:
 
     backend = vllm_config.kernel_config.moe_backend
     if backend in MEGA_MOE_BACKENDS:
-        raise ValueError(
+        raise CheckpointRefused(
             f"EXL3 checkpoint refused: --moe-backend {backend} (a MegaMoE kernel) bypasses quantization methods, "
             "so EXL3 experts would never be loaded; use the default MoE backend"
         )
     if vllm_config.parallel_config.enable_eplb:
-        raise ValueError(
+        raise CheckpointRefused(
             "EXL3 checkpoint refused: --enable-eplb moves experts between ranks, which the per-expert placement "
             "plan does not follow; serve without EPLB"
         )
@@ -86,6 +87,47 @@ def _draft_exl3_set(summary: CheckpointSummary) -> str | None:
     return next((prefix for prefix in summary.quantized_prefixes if prefix.startswith(draft_root)), None)
 
 
+class ProcessState:
+    """What one vLLM process decides once, at the first EXL3 layer built (where vLLM's config is current): the
+    `expert_offload` options parsed once and handed down, the backends, and the placement (plan + arena + routing
+    counts, made by the first MoE layer: moe_method.py). Kept apart from the quant config, which is vLLM's per-model
+    description and travels to the workers pickled; this is the process's own and changes while it loads."""
+
+    def __init__(self) -> None:
+        self.options: OffloadOptions | None = None
+        self.kernels: KernelChoice | None = None
+        self.placement: ProcessPlacement | None = None
+
+    def kernel_choice(self, summary: CheckpointSummary, device: torch.device) -> KernelChoice:
+        """The process's EXL3 backends, decided (and logged) once; a backend asked for that cannot run, or a
+        configuration that bypasses the EXL3 methods, is refused here, before any weight is loaded."""
+        if self.kernels is None:
+            vllm_config = get_current_vllm_config()
+            refuse_unservable(vllm_config, summary)
+            self.options = parse_offload_options(vllm_config.additional_config)
+            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
+            log_choice(self.kernels)
+        return self.kernels
+
+    def abandon_placement(self, why: str) -> None:
+        """The load the placement was made for failed (`why`): release its arena now and forget it."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.release(why)
+
+
+def _mirrored(name: str) -> property:
+    """The delegate's `name`, read through the quant config: vLLM's models read it from the model's quant config
+    before any layer asks for its method (exl3/contract.py's DELEGATE_MIRRORS says which and why)."""
+
+    def read(config: Exl3Config) -> Any:
+        if config.delegate is None:
+            raise AttributeError(f"Exl3Config.{name}: this pack declares no non_routed_quantization to read it from")
+        return getattr(config.delegate, name)
+
+    return property(read, doc=read.__doc__)
+
+
 @register_quantization_config(QUANT_NAME)
 class Exl3Config(QuantizationConfig):
     """Built from config.json's quantization_config in every vLLM process; the checkpoint itself is
@@ -98,21 +140,13 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.quant = quant
         self.summary: CheckpointSummary | None = None
-        # Per process, made at the first EXL3 layer built (where vLLM's config is current): the expert_offload
-        # options parsed once and handed down, the backends, and the placement (plan + arena + routing counts).
-        self.options: OffloadOptions | None = None
-        self.kernels: KernelChoice | None = None
-        self.placement: ProcessPlacement | None = None
+        self.process = ProcessState()
         self.vllm_mapper = None  # the model's checkpoint -> vLLM name mapper (DeepSeek-V4: `layers.` -> `model.layers.`)
         self._checkpoint_names: dict[str, str] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        """Global attributes of the delegate that models read from the quant config (`weight_block_size`,
-        `activation_scheme`, ...) are visible through ours. Only reached when normal lookup fails."""
-        delegate = self.__dict__.get("delegate")
-        if delegate is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return getattr(delegate, name)
+    # The delegate's attributes that models read from the quant config: DELEGATE_MIRRORS, and nothing else.
+    weight_block_size = _mirrored("weight_block_size")
+    expert_dtype = _mirrored("expert_dtype")
 
     @property
     def packed_modules_mapping(self) -> dict[str, list[str]]:
@@ -166,7 +200,7 @@ class Exl3Config(QuantizationConfig):
         try:
             return cls(parse_quant_config(config))
         except Exl3FormatError as exc:
-            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
+            raise CheckpointRefused(f"EXL3 checkpoint refused: {exc}") from exc
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
@@ -181,8 +215,8 @@ class Exl3Config(QuantizationConfig):
         try:
             self.summary = scan_checkpoint(str(resolve_model_dir(model_name, revision)))
         except Exl3FormatError as exc:
-            raise ValueError(f"EXL3 checkpoint refused: {exc}") from exc
-        engram_int4.install(self.summary.engram)
+            raise CheckpointRefused(f"EXL3 checkpoint refused: {exc}") from exc
+        install_engram(self.summary.engram)
         self.delegate = build_delegate(self.summary.contract, hf_config)
         if self.delegate is not None:
             self.delegate.packed_modules_mapping = self.packed_modules_mapping
@@ -190,23 +224,9 @@ class Exl3Config(QuantizationConfig):
                 self.delegate.apply_vllm_mapper(self.vllm_mapper)
             self.delegate.maybe_update_config(model_name, hf_config, revision)
 
-    def abandon_placement(self, why: str) -> None:
-        """The load the placement was made for failed (`why`): release its arena now and forget it."""
-        placement, self.placement = self.placement, None
-        if placement is not None:
-            placement.release(why)
-
     def kernel_choice(self, device: torch.device) -> KernelChoice:
-        """The process's EXL3 backends, decided (and logged) once, at the first EXL3 layer built; a backend
-        asked for that cannot run, or a configuration that bypasses the EXL3 methods, is refused here, before any
-        weight is loaded."""
-        if self.kernels is None:
-            vllm_config = get_current_vllm_config()
-            refuse_unservable(vllm_config, self._summary())
-            self.options = parse_offload_options(vllm_config.additional_config)
-            self.kernels = choose_kernels(self.options.kernel, device, self.options.dequantize_linears)
-            log_choice(self.kernels)
-        return self.kernels
+        """The process's EXL3 backends (ProcessState.kernel_choice), for this checkpoint."""
+        return self.process.kernel_choice(self._summary(), device)
 
     @staticmethod
     def capture_sizes() -> tuple[int, ...]:
@@ -223,7 +243,7 @@ class Exl3Config(QuantizationConfig):
 
     def _summary(self) -> CheckpointSummary:
         if self.summary is None:
-            raise RuntimeError(
+            raise VLLMVersionError(
                 "Exl3Config.maybe_update_config was not called before layers were built; "
                 "this vLLM version loads quantization configs differently from the verified ones"
             )
@@ -235,7 +255,7 @@ class Exl3Config(QuantizationConfig):
         present = [s in quantized for s in shards]
         if any(present) and not all(present):
             missing = [s for s, p in zip(shards, present) if not p]
-            raise ValueError(
+            raise CheckpointRefused(
                 f"EXL3 checkpoint refused: {missing[0]}.trellis: missing, but the other shards of fused module "
                 f"{prefix} are EXL3; a fused module must be quantized in every shard"
             )

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from ...errors import ExpertOffloadError
 from ...units import GIB
-from ..patching import Hook, require_checked_version
 
 
 class CrashLineError(ExpertOffloadError, RuntimeError):
@@ -68,34 +67,23 @@ def check_crash_line(
     )
 
 
-def _wrap_initialize_from_config(min_free_fraction: float, gpu_expert_sizes: list[int]) -> Callable:
-    def wrap(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def initialize_from_config(self, kv_cache_config):
-            result = original(self, kv_cache_config)
-            import torch
+def wrap_initialize_from_config(original: Callable, min_free_fraction: float, gpu_expert_sizes: list[int]) -> Callable:
+    """The GPU worker's KV-cache allocation, then the line checked (CUDA only: a CPU engine's "device" memory is
+    the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE)."""
 
-            if torch.cuda.is_available() and self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                check_crash_line(
-                    free, total, min_free_fraction, self.cache_config.gpu_memory_utilization, gpu_expert_sizes,
-                    activation_headroom=int(getattr(self, "peak_activation_memory", 0)),
-                    kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
-                )
-            return result
+    @functools.wraps(original)
+    def initialize_from_config(self, kv_cache_config):
+        result = original(self, kv_cache_config)
+        import torch
 
-        return initialize_from_config
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_crash_line(
+                free, total, min_free_fraction, self.cache_config.gpu_memory_utilization, gpu_expert_sizes,
+                activation_headroom=int(getattr(self, "peak_activation_memory", 0)),
+                kv_cache_memory_bytes=self.cache_config.kv_cache_memory_bytes,
+            )
+        return result
 
-    return wrap
+    return initialize_from_config
 
-
-def install_crash_line(min_free_fraction: float, gpu_expert_sizes: list[int]) -> bool:
-    """Check the line right after the GPU worker allocates its KV cache (CUDA only: a CPU engine's "device"
-    memory is the host's, which vLLM sizes from VLLM_CPU_KVCACHE_SPACE). False when this process has no GPU
-    worker loaded or the hook is in already."""
-    require_checked_version("the crash-line hook")
-    hook = Hook(
-        "vllm.v1.worker.gpu_worker", "Worker.initialize_from_config", ("self", "kv_cache_config"),
-        _wrap_initialize_from_config(min_free_fraction, gpu_expert_sizes), loaded_only=True,
-    )
-    return hook.install()

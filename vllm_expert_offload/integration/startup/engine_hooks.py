@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable
 
 from ...offload.options import OffloadOptionError, OffloadOptions, parse_offload_options
-from ..patching import Hook, require_checked_version
 from .metrics import exporting_metrics
 from .readiness import run_async, run_sync
 from .stats_saver import saving_stats
@@ -25,7 +24,7 @@ def checked_options(engine_args) -> OffloadOptions:
     return parse_offload_options(getattr(engine_args, "additional_config", None))
 
 
-def _wrap_engine_factory(original: Callable) -> Callable:
+def wrap_engine_factory(original: Callable) -> Callable:
     """LLMEngine.from_engine_args(engine_args, ...): what `LLM(...)` builds its engine with."""
 
     @functools.wraps(original)
@@ -43,10 +42,11 @@ def _wrap_engine_factory(original: Callable) -> Callable:
     return from_engine_args
 
 
-def _wrap_async_builder(original: Callable) -> Callable:
+def wrap_async_builder(original: Callable) -> Callable:
     """build_async_engine_client_from_engine_args(engine_args, *, usage_context, client_config): `vllm serve`'s
     engine client, alive exactly as long as the server serves."""
 
+    @functools.wraps(original)  # __wrapped__: vLLM's function, whose parameters the hook checked
     @contextlib.asynccontextmanager
     async def build_async_engine_client_from_engine_args(engine_args, *args, **kwargs):
         options = checked_options(engine_args)
@@ -59,20 +59,3 @@ def _wrap_async_builder(original: Callable) -> Callable:
                 yield client
 
     return build_async_engine_client_from_engine_args
-
-
-# The engine factories, where the API (or LLM) process has them loaded before plugins load; engine-core and
-# worker processes have neither, so both act only where their module is loaded.
-HOOKS = (
-    Hook("vllm.v1.engine.llm_engine", "LLMEngine.from_engine_args",
-         ("cls", "engine_args", "usage_context", "stat_loggers", "enable_multiprocessing"), _wrap_engine_factory,
-         loaded_only=True),
-    Hook("vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client_from_engine_args",
-         ("engine_args", "usage_context", "client_config"), _wrap_async_builder, loaded_only=True),
-)
-
-
-def install() -> int:
-    """Wrap the engine factories already imported in this process; returns how many were wrapped now."""
-    require_checked_version("the engine construction hooks")
-    return sum(hook.install() for hook in HOOKS)

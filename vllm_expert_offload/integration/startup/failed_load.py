@@ -1,7 +1,7 @@
 """A model load that fails midway gives the host arena back before the error propagates.
 
 The process's placement (plan, host arena, routing counts) is made at the first EXL3 MoE layer and kept by the
-model's quant config (`Exl3Config.placement`); the load can still fail after that: a tensor refused, a backend that
+model's quant config (`Exl3Config.process.placement`); the load can still fail after that: a tensor refused, a backend that
 cannot build a layer, vLLM's own loader. The arena is pinned host memory as large as the host tier, so it is
 released at once (logged, with the reason), the quant config forgets the placement, so a retry in the same process
 plans afresh, and nothing of the failed model is written to `record_stats` at exit.
@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import functools
 
-from ..patching import Hook
-
 LOADER = "vllm.model_executor.model_loader.base_loader"
 
 
-def _wrap_load_model(original):
+def wrap_load_model(original):
     @functools.wraps(original)
     def load_model(self, vllm_config, model_config, prefix=""):
         try:
@@ -29,14 +27,7 @@ def _wrap_load_model(original):
 
             quant_config = vllm_config.quant_config
             if isinstance(quant_config, Exl3Config):
-                quant_config.abandon_placement(f"the model load failed: {type(exc).__name__}: {exc}")
+                quant_config.process.abandon_placement(f"the model load failed: {type(exc).__name__}: {exc}")
             raise
 
     return load_model
-
-
-HOOK = Hook(LOADER, "BaseModelLoader.load_model", ("self", "vllm_config", "model_config", "prefix"), _wrap_load_model)
-
-
-def install() -> bool:
-    return HOOK.install()

@@ -11,44 +11,21 @@ tier included; serving statistics skip those passes.
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
-from ...offload.phase import profiling_pass
-from ..patching import SENTINEL, HookError, require_checked_version
-
-# (module, class) of the model runners whose profile_run sizes the KV cache: V1 (CPU runs it too) and V2.
-RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"), ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"))
+from ...offload.phase import PHASE
 
 
-def _flagged(profile_run):
+def flagged(profile_run):
+    """A runner's `profile_run` with the profiling flag up while it runs (vllm_hooks.PROFILE_RUN)."""
+
     @functools.wraps(profile_run)
     def wrapper(*args, **kwargs):
-        with profiling_pass():
+        with PHASE.profiling_pass():
             return profile_run(*args, **kwargs)
 
-    setattr(wrapper, SENTINEL, True)
     return wrapper
-
-
-def install_profile_flag() -> int:
-    """Wrap `profile_run` of each runner class already imported in this process (call from a worker, where
-    the runner module is loaded before the model is built). Returns how many classes were wrapped now."""
-    require_checked_version("the profile_run hook")
-    wrapped = 0
-    for module_name, class_name in RUNNERS:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue  # that runner is not used in this process
-        runner = getattr(module, class_name, None)
-        method = getattr(runner, "profile_run", None)
-        if method is None:
-            raise HookError(f"{module_name}.{class_name}.profile_run does not exist in this vLLM")
-        if not getattr(method, SENTINEL, False):
-            runner.profile_run = _flagged(method)
-            wrapped += 1
-    return wrapped
 
 
 def spread_routing(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

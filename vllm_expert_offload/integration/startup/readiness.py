@@ -16,7 +16,7 @@ import os
 
 from vllm import SamplingParams
 
-from ...errors import ExpertOffloadError
+from ...errors import ExpertOffloadError, InvalidValueError
 from .worker_rpc import END_OF_STARTUP
 
 logger = logging.getLogger("vllm.expert_offload.readiness")
@@ -32,7 +32,7 @@ class ReadinessError(ExpertOffloadError, RuntimeError):
 def smoke_enabled() -> bool:
     value = os.environ.get(ENV, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+        raise InvalidValueError(f"{ENV}={value!r}: expected 0 or 1")
     return value == "1"
 
 

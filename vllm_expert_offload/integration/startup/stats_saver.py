@@ -89,22 +89,25 @@ class StatsSaver:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def saving_first(self, shutdown: Callable[..., None], loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
-        """`shutdown`, preceded by a final save when it is called off the event loop's thread (vLLM's launcher
-        calls it from a thread pool; waiting for the loop from its own thread would deadlock)."""
-        loop_thread = threading.get_ident()  # called on the loop's thread, from saving_stats
 
-        @functools.wraps(shutdown)
-        def save_then_shutdown(*args, **kwargs) -> None:
-            if threading.get_ident() != loop_thread:
-                future = asyncio.run_coroutine_threadsafe(self.save("at shutdown"), loop)
-                try:
-                    future.result(timeout=FINAL_SAVE_TIMEOUT_S)
-                except concurrent.futures.TimeoutError:
-                    logger.warning("routing statistics not saved at shutdown: no answer in %gs", FINAL_SAVE_TIMEOUT_S)
-            shutdown(*args, **kwargs)
+def save_before_shutdown(shutdown: Callable[..., None], saver: StatsSaver,
+                         loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
+    """The serving client's `shutdown`, preceded by a final save when it is called off the event loop's thread
+    (vLLM's launcher calls it from a thread pool; waiting for the loop from its own thread would deadlock).
+    Applied to the one client while it serves (vllm_hooks.SERVING_SHUTDOWN)."""
+    loop_thread = threading.get_ident()  # called on the loop's thread, from saving_stats
 
-        return save_then_shutdown
+    @functools.wraps(shutdown)
+    def save_then_shutdown(*args, **kwargs) -> None:
+        if threading.get_ident() != loop_thread:
+            future = asyncio.run_coroutine_threadsafe(saver.save("at shutdown"), loop)
+            try:
+                future.result(timeout=FINAL_SAVE_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                logger.warning("routing statistics not saved at shutdown: no answer in %gs", FINAL_SAVE_TIMEOUT_S)
+        shutdown(*args, **kwargs)
+
+    return save_then_shutdown
 
 
 def _add_signal_handler(loop: asyncio.AbstractEventLoop, saver: StatsSaver) -> bool:
@@ -129,13 +132,14 @@ async def saving_stats(client: EngineClient, options: OffloadOptions, client_ind
     saver = StatsSaver(client, options, dp_size)
     periodic = loop.create_task(saver.every(options.record_stats_interval_s))
     handled = _add_signal_handler(loop, saver)
-    client.shutdown = saver.saving_first(client.shutdown, loop)  # on this client object only, while it serves
     logger.info("routing statistics: %s is rewritten every %gs%s", options.record_stats,
                 options.record_stats_interval_s, f" and on {SAVE_SIGNAL.name}" if handled else "")
+    from ..vllm_hooks import SERVING_SHUTDOWN  # declares this module's wrapper: imported at use
+
     try:
-        yield
+        with SERVING_SHUTDOWN.applied(client, saver, loop):  # on this client object only, while it serves
+            yield
     finally:
-        del client.shutdown  # the class's own method again
         if handled:
             loop.remove_signal_handler(SAVE_SIGNAL)
         for task in (periodic, *saver.tasks):

@@ -16,7 +16,7 @@ the plugin before the engine is handed out (`END_OF_STARTUP`).
 from __future__ import annotations
 
 from ...offload.engine_stats import engine_report
-from ..patching import HookError
+from ...offload.options import OffloadOptionError
 
 END_OF_STARTUP = "vllm_expert_offload_end_of_startup"
 SAVE_STATS = "vllm_expert_offload_save_expert_stats"
@@ -40,7 +40,7 @@ def _placement(worker):
     from ..methods.quant_config import Exl3Config
 
     quant_config = worker.vllm_config.quant_config
-    return quant_config.placement if isinstance(quant_config, Exl3Config) else None
+    return quant_config.process.placement if isinstance(quant_config, Exl3Config) else None
 
 
 def end_of_startup(worker) -> bool:
@@ -62,7 +62,7 @@ def save_expert_stats(worker) -> str | dict | None:
         return None
     target = placement.options.record_stats
     if target is None:
-        raise ValueError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
+        raise OffloadOptionError(f"{SAVE_STATS}: serve with expert_offload.record_stats to save routing statistics")
     if placement.reports_engine_counts:
         return engine_report(placement.dp_rank, placement.routing_counts())
     placement.save_stats(target)
@@ -94,13 +94,6 @@ def tier_counters(worker) -> dict | None:
     }
 
 
-def install() -> None:
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    methods = ((END_OF_STARTUP, end_of_startup), (SAVE_STATS, save_expert_stats), (MEMORY_REPORT, memory_report),
-               (TIER_COUNTERS, tier_counters))
-    for name, method in methods:
-        existing = getattr(WorkerBase, name, None)
-        if existing is not None and existing is not method:
-            raise HookError(f"vllm.v1.worker.worker_base.WorkerBase already has a {name!r} attribute")
-        setattr(WorkerBase, name, method)
+# What vllm_hooks.WORKER_METHODS adds to vLLM's WorkerBase, by name.
+METHODS = {END_OF_STARTUP: end_of_startup, SAVE_STATS: save_expert_stats, MEMORY_REPORT: memory_report,
+           TIER_COUNTERS: tier_counters}
