@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,9 @@ def test_the_host_job_sums_exactly_the_staged_rows_of_the_tiers_entries(tokens: 
     address = job.address(tokens)
     assert order.launches == [(job.submit, address), (job.wait, address)] and order.joins == 1
     assert (job.out[tokens:] == 7.0).all()
-    assert busy == [], "busy time is read at the next forward"
-    tier.start(x, weights, cpu_ids).result()
+    assert busy == [], "busy time is reported when the counters are read"
+    job.report_busy()
+    job.report_busy()  # nothing new since the last report
     assert len(busy) == 1 and busy[0] > 0
 
 
@@ -109,6 +111,14 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_stream_glue(pattern: str)
 # --- on a GPU ---------------------------------------------------------------------------------------------------
 
 
+HOST_ONLY = torch.tensor([not gpu for gpu in TIERS])
+
+
+def tier_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The tier's entries of routed ids: the split never hands a GPU-tier expert to the host."""
+    return torch.where(HOST_ONLY[ids], ids, -1)
+
+
 @pytest.mark.gpu
 def test_a_cuda_graph_of_the_exchange_replays_to_the_hosts_sums() -> None:
     """Captured once at 5 tokens, replayed on new inputs: each replay's partial sums are the CPU kernel's of that
@@ -116,11 +126,6 @@ def test_a_cuda_graph_of_the_exchange_replays_to_the_hosts_sums() -> None:
     host-tier experts are read from the mapped arena's host side."""
     cuda = torch.device("cuda")
     kernel = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), device=cuda)[1]
-    host_only = torch.tensor([not gpu for gpu in TIERS])
-
-    def tier_ids(ids: torch.Tensor) -> torch.Tensor:  # the split never hands a GPU-tier expert to the host
-        return torch.where(host_only[ids], ids, -1)
-
     tier = StreamHostTier(_job(kernel), CudaStreamOrder(cuda))
     x, weights, ids = (t.to(cuda) for t in routing(5, seed=2))
     ids.copy_(tier_ids(ids.cpu()))
@@ -136,3 +141,31 @@ def test_a_cuda_graph_of_the_exchange_replays_to_the_hosts_sums() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), kernel.forward(new_x, new_weights, marked))
+
+
+class _LateSide(CudaStreamOrder):
+    """A side stream that starts its copies ~25 ms after the fork, long after the caller has moved on."""
+
+    @contextmanager
+    def side(self):
+        with super().side():
+            torch.cuda._sleep(50_000_000)
+            yield
+
+
+@pytest.mark.gpu
+def test_the_rows_outlive_the_callers_tensors_until_the_join() -> None:
+    """The caller's ids die when the tier's step returns; blocks of their size the current stream takes next and
+    overwrites at once must not be what the late side stream copies to the host."""
+    cuda = torch.device("cuda")
+    kernel = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), device=cuda)[1]
+    tier = StreamHostTier(_job(kernel), _LateSide(cuda))
+    x, weights, ids = routing(4, seed=5)
+    marked = tier_ids(ids)
+    cpu_ids = marked.to(cuda)
+    pending = tier.start(x.to(cuda), weights.to(cuda), cpu_ids)
+    del cpu_ids
+    reused = [torch.full((4, 2), -1, dtype=kind, device=cuda) for kind in (torch.int64, torch.int32) for _ in range(4)]
+    got = pending.result()
+    torch.cuda.synchronize()
+    assert reused and torch.equal(got.cpu(), kernel.forward(x, weights, marked))

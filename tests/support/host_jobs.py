@@ -3,17 +3,19 @@ its C function pointer at once, and a layer's job whose buffers live on `meta` f
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
 
-from vllm_expert_offload.kernels.stream_host_tier import HOST_FUNC, HostJob, StreamHostTier
+from vllm_expert_offload.kernels.stream_host_tier import HostJob, StreamHostTier
 
 from support.meta_proof import META
 from support.moe_layers import CPU, HIDDEN
 
 MAX_TOKENS = 8
+HOST_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # cudaHostFn_t: void (*)(void *userData)
 
 
 class InlineOrder:

@@ -12,7 +12,7 @@ the side stream, so a step's copies never overwrite what the previous step's job
 The host job is the compiled CPU kernel's own pair of C host functions (cpu_moe.py `host_abi`), run on CUDA's
 callback thread with no Python and no GIL: a submit that hands the job to the layer's pinned pool of worker threads
 and a wait, queued as two host nodes, on a job struct whose row count is fixed per captured graph (one struct per
-step size). The tier's busy time is read from those structs at the layer's next forward. A failed job stops the
+step size). The tier's busy time is read from those structs when the counters are read. A failed job stops the
 process with the layer named (csrc/exl3_cpu.cpp): a host function cannot report to CUDA, and a replayed graph runs
 no Python that could look.
 """
@@ -29,9 +29,6 @@ import torch
 
 from ..memory import _cuda_host
 from .cpu_moe import Exl3MoeHostJob, Exl3MoeJob, host_abi
-
-HOST_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # cudaHostFn_t: void (*)(void *userData)
-
 
 class HandleOwner(Protocol):
     """What a host job computes with: the compiled CPU MoE kernel (cpu_moe.CpuMoE) of the layer."""
@@ -85,7 +82,8 @@ class HostJob:
 
     def report_busy(self) -> None:
         """Tell `busy` the seconds the pool spent on this layer's jobs since the last report (host memory that the
-        host functions write: no device synchronisation)."""
+        host functions write: no device synchronisation). Called when the counters are read (TierCounters
+        `add_busy_source`): a replayed graph runs no Python that could report it."""
         total = sum(host_job.busy_ns for host_job in self._jobs.values())
         if total > self._busy_reported_ns:
             self.busy((total - self._busy_reported_ns) / 1e9)
@@ -128,6 +126,7 @@ class StreamPartial:
     partial: torch.Tensor
     order: StreamOrder
     dtype: torch.dtype
+    inputs: tuple[torch.Tensor, ...]  # what the side stream reads, alive until the join
 
     def result(self) -> torch.Tensor:
         self.order.join()
@@ -144,17 +143,18 @@ class StreamHostTier:
 
     def start(self, x: torch.Tensor, topk_weights: torch.Tensor, cpu_ids: torch.Tensor) -> StreamPartial:
         """Queue the tier's work for this forward (nothing waits here); x's dtype partial sum via `result`.
-        Conversions happen on the device before each copy: a copy that also converts would stage through
-        pageable memory and wait for the device."""
-        self.job.report_busy()
+        The rows are converted on the current stream before the fork (a copy that also converts would stage
+        through pageable memory and wait for the device), and the converted tensors are held by the result until
+        the join: the caller's `cpu_ids` dies when it returns, and a block freed while the side stream still reads
+        it would go to the current stream's next allocation."""
         tokens, job = x.shape[0], self.job
-        partial = torch.empty(tokens, job.hidden, dtype=torch.float32, device=x.device)  # before the fork: the
-        with self.order.side():  # join orders its use on the current stream
-            job.x[:tokens].copy_(x[:, :job.hidden].float(), non_blocking=True)
-            job.weights[:tokens].copy_(topk_weights.float(), non_blocking=True)
-            job.ids[:tokens].copy_(cpu_ids.to(torch.int32), non_blocking=True)
+        rows = (x[:, :job.hidden].float(), topk_weights.float(), cpu_ids.to(torch.int32))
+        partial = torch.empty(tokens, job.hidden, dtype=torch.float32, device=x.device)
+        with self.order.side():
+            for staging, converted in zip((job.x, job.weights, job.ids), rows):
+                staging[:tokens].copy_(converted, non_blocking=True)
             address = job.address(tokens)
             self.order.launch(job.submit, address)
             self.order.launch(job.wait, address)
             partial.copy_(job.out[:tokens], non_blocking=True)
-        return StreamPartial(partial, self.order, x.dtype)
+        return StreamPartial(partial, self.order, x.dtype, rows)

@@ -6,7 +6,7 @@ host only between engine steps, when the API server asks (a worker RPC), never i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -21,7 +21,20 @@ class TierCounters:
 
     def __init__(self, layers: int, device: torch.device | str) -> None:
         self.counts = torch.zeros(layers, len(COLUMNS), dtype=torch.int64, device=device)
-        self.cpu_busy_s = np.zeros(layers)
+        self._busy_s = np.zeros(layers)
+        self._busy_sources: list[Callable[[], None]] = []
+
+    @property
+    def cpu_busy_s(self) -> np.ndarray:
+        """Seconds per layer the CPU tier spent computing, the busy sources' latest time included."""
+        for report in self._busy_sources:
+            report()
+        return self._busy_s
+
+    def add_busy_source(self, report: Callable[[], None]) -> None:
+        """A job that keeps its busy time where it runs and reports it through add_cpu_busy when asked: the CPU
+        tier's host functions on a GPU, which a replayed CUDA graph runs with no Python around them."""
+        self._busy_sources.append(report)
 
     def count_reads(self, row: int, ids: torch.Tensor, resident: torch.Tensor, expert_bytes: torch.Tensor) -> None:
         """One forward's token x expert reads of layer `row`, by tier (`resident`: bool (E,), in GPU memory now),
@@ -42,7 +55,7 @@ class TierCounters:
 
     def add_cpu_busy(self, row: int, seconds: float) -> None:
         """Time the CPU tier spent on one job of layer `row` (added by the job itself, on the host)."""
-        self.cpu_busy_s[row] += seconds
+        self._busy_s[row] += seconds
 
     def count_fills(self, row: int, fill_expert: torch.Tensor, evicted: torch.Tensor) -> None:
         """The fills and evictions of one cache step (-1 entries are no-ops)."""

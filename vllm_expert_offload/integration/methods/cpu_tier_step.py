@@ -122,6 +122,7 @@ def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_byt
         job = HostJob(layer.name, host.kernel, settings.max_tokens, layer.top_k, layer.crop.hidden,
                       apply_router_weight_on_input, busy)
         tier = StreamHostTier(job, CudaStreamOrder(layer.device), host.where + STREAM_ORDER)
+        placement.tier_counters.add_busy_source(job.report_busy)
 
     def probe() -> TierRates:
         expert = host_resident[0]
