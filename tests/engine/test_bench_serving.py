@@ -15,6 +15,7 @@ compared on a shared two-core machine: the load of the seconds between them move
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def _side_by_side(url: str, concurrency: int, prompt_tokens: float, tmp_path: Pa
             "--prefix-tokens", str(PREFIX_TOKENS), "--turns", str(REQUESTS // concurrency), "--ttft-repeats", "1",
             "--json", str(tmp_path / f"bench{concurrency}.json")]
     vllm = subprocess.Popen([str(Path(sys.executable).with_name("vllm")), *vllm_args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     printed = []
     for line in vllm.stdout:  # the import and the warm-up take seconds; bench's level starts with vLLM's run
         printed.append(line)
