@@ -19,6 +19,7 @@ import datetime
 import json
 from pathlib import Path
 
+import aiohttp
 import httpx
 from tqdm import tqdm
 
@@ -62,11 +63,12 @@ async def _server_facts(http: httpx.AsyncClient, model: str | None) -> tuple[str
 
 async def _measure(args: argparse.Namespace, concurrency: list[int]) -> dict:
     base = args.url.rstrip("/").removesuffix("/v1")
-    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+    async with (httpx.AsyncClient(base_url=base, timeout=600) as http,
+                aiohttp.ClientSession(base_url=base, timeout=aiohttp.ClientTimeout(total=600)) as session):
         model, version = await _server_facts(http, args.model)
         total = 2 + args.turns * sum(concurrency) + 2 * args.ttft_repeats
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            load = AgentLoad(http, base, model, args.prefix_tokens, args.output_tokens, on_request=bar.update)
+            load = AgentLoad(session, base, model, args.prefix_tokens, args.output_tokens, on_request=bar.update)
             await load.warm_up()
             levels = [await load.level(c, args.turns) for c in concurrency]
             cold_tokens = args.cold_prefix_tokens or args.prefix_tokens
