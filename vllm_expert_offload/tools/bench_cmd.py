@@ -64,7 +64,7 @@ async def _server_facts(http: httpx.AsyncClient, model: str | None) -> tuple[str
 async def _measure(args: argparse.Namespace, concurrency: list[int]) -> dict:
     base = args.url.rstrip("/").removesuffix("/v1")
     async with (httpx.AsyncClient(base_url=base, timeout=600) as http,
-                aiohttp.ClientSession(base_url=base, timeout=aiohttp.ClientTimeout(total=600)) as session):
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session):
         model, version = await _server_facts(http, args.model)
         total = 2 + args.turns * sum(concurrency) + 2 * args.ttft_repeats
         with tqdm(total=total, desc="requests", unit="req") as bar:

@@ -94,10 +94,10 @@ def _chunk_tokens(chunk: dict, counting: TokenCounting, previous_total: int) -> 
     return len(logprobs["tokens"])
 
 
-async def _events(session: aiohttp.ClientSession, body: dict) -> AsyncIterator[dict]:
-    """The JSON events of one streamed completion (`session` carries the server's base URL); an HTTP error status or
-    an error event is refused with the server's message."""
-    async with session.post("/v1/completions", json=body) as response:
+async def _events(session: aiohttp.ClientSession, base_url: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON events of one streamed completion; an HTTP error status or an error event is refused with the
+    server's message."""
+    async with session.post(f"{base_url}/v1/completions", json=body) as response:
         if response.status != 200:
             raise ToolRunError(f"the server answered a completion with HTTP {response.status}: "
                                f"{(await response.text(errors='replace'))[:500]}")
@@ -111,7 +111,7 @@ async def _events(session: aiohttp.ClientSession, body: dict) -> AsyncIterator[d
             yield event
 
 
-async def timed_completion(session: aiohttp.ClientSession, model: str, prompt: str, max_tokens: int,
+async def timed_completion(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int,
                            counting: TokenCounting = "usage") -> Timing:
     """Stream one completion, counting each chunk's tokens the way `counting` says (see `probe_token_counting`)."""
     per_chunk = ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if counting == "usage"
@@ -122,7 +122,8 @@ async def timed_completion(session: aiohttp.ClientSession, model: str, prompt: s
     counts: list[int] = []
     usage = None
     start = time.perf_counter()
-    async with contextlib.aclosing(_events(session, body)) as events:  # a refused chunk closes the connection now
+    # aclosing: a chunk refused mid-stream closes the connection at once
+    async with contextlib.aclosing(_events(session, base_url, body)) as events:
         async for chunk in events:
             if chunk.get("choices") and (count := _chunk_tokens(chunk, counting, sum(counts))) > 0:
                 last = time.perf_counter()  # a chunk without tokens (a finish reason alone) is no token event
@@ -137,7 +138,7 @@ async def timed_completion(session: aiohttp.ClientSession, model: str, prompt: s
     return Timing(first - start, last - start, tuple(counts), last - first, usage["prompt_tokens"])
 
 
-async def probe_token_counting(session: aiohttp.ClientSession, model: str, prompt: str
+async def probe_token_counting(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str
                                ) -> tuple[TokenCounting, Timing]:
     """How this server lets a client count tokens per chunk: vLLM's continuous usage, else logprobs, else refused.
 
@@ -145,7 +146,7 @@ async def probe_token_counting(session: aiohttp.ClientSession, model: str, promp
     reasons = []
     for counting in ("usage", "logprobs"):
         try:
-            return counting, await timed_completion(session, model, prompt, 4, counting)
+            return counting, await timed_completion(session, base_url, model, prompt, 4, counting)
         except ToolInputError as error:
             reasons.append(f"{counting}: {error}")
     raise ToolInputError("bench cannot count tokens per chunk on this server, so it would report speeds it cannot "
@@ -228,7 +229,7 @@ class AgentLoad:
         """Find how the server lets tokens be counted per chunk and measure tokens per filler word with one request
         (it also warms the server); build and send the prefix."""
         probe_words = 200
-        self.counting, timing = await probe_token_counting(self.session, self.model, filler(probe_words))
+        self.counting, timing = await probe_token_counting(self.session, self.base_url, self.model, filler(probe_words))
         self.tokens_per_word = timing.prompt_tokens / probe_words
         self.prefix = filler(self.words(self.prefix_tokens))
         self.on_request()
@@ -238,7 +239,7 @@ class AgentLoad:
         return max(1, int(tokens / self.tokens_per_word))
 
     async def _request(self, prompt: str, max_tokens: int) -> Timing:
-        timing = await timed_completion(self.session, self.model, prompt, max_tokens, self.counting)
+        timing = await timed_completion(self.session, self.base_url, self.model, prompt, max_tokens, self.counting)
         self.on_request()
         return timing
 
