@@ -53,6 +53,8 @@ class FakeServer:
     final_usage_extra: int = 0  # the closing usage claims this many tokens more than the chunks carried
     metrics: bool = True  # False: no /metrics page, as on a non-vLLM server
     finish_after_s: float | None = None  # a closing chunk with the finish reason and no tokens, this long after
+    error_after: int | None = None  # an error event in place of the chunk after this many (vLLM's mid-stream error)
+    status: int = 200  # any other: the completion refused with this HTTP status and an error body
     generated: int = 0
     url: str = ""
 
@@ -64,6 +66,9 @@ class FakeServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.status != 200:
+            return web.json_response({"error": {"message": "scripted refusal", "code": self.status}},
+                                     status=self.status)
         prompt_tokens, max_tokens = len(body["prompt"].split()), body["max_tokens"]
         options = body.get("stream_options") or {}
         per_chunk_usage = self.continuous_usage and options.get("continuous_usage_stats")
@@ -71,8 +76,11 @@ class FakeServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         sent = 0
-        for wait_s, tokens in self.script(max_tokens):
+        for index, (wait_s, tokens) in enumerate(self.script(max_tokens)):
             await asyncio.sleep(wait_s)
+            if index == self.error_after:
+                await response.write(b'data: {"error": {"message": "scripted failure", "code": 500}}\n\n')
+                return response
             sent += tokens
             self.generated += tokens
             usage = ({"prompt_tokens": prompt_tokens, "completion_tokens": sent,

@@ -146,3 +146,15 @@ def test_chunks_that_disagree_with_the_final_usage_are_refused(tmp_path, capsys)
         code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
     assert code == 2 and result is None
     assert "the chunks carried 4 tokens but the final usage says 7" in out.err
+
+
+@pytest.mark.parametrize(("server", "said"), [
+    (FakeServer(steady(0.0, 0.0), status=400), "HTTP 400: {\"error\": {\"message\": \"scripted refusal\""),
+    (FakeServer(steady(0.0, 0.0), error_after=2), "ended a completion with an error: {'message': 'scripted failure'"),
+])
+def test_a_refused_or_failed_completion_is_one_line_naming_the_servers_message(tmp_path, capsys, server, said) -> None:
+    with serving(server):
+        code, result, out = _bench(server.url, tmp_path, capsys, concurrency="1")
+    assert code == 2 and result is None
+    assert said in out.err and "Traceback" not in out.err
+

@@ -19,8 +19,8 @@ import datetime
 import json
 from pathlib import Path
 
+import aiohttp
 import httpx
-from openai import AsyncOpenAI
 from tqdm import tqdm
 
 from .serving_load import AgentLoad, LevelResult
@@ -55,20 +55,20 @@ def capacity(levels: list[LevelResult], target_tok_s: float) -> int | None:
     return max(meeting) if meeting else None
 
 
-async def _server_facts(base: str, model: str | None, client: AsyncOpenAI) -> tuple[str, str | None]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        response = await http.get(f"{base}/version")
+async def _server_facts(http: httpx.AsyncClient, model: str | None) -> tuple[str, str | None]:
+    response = await http.get("/version")
     version = response.json().get("version") if response.status_code == 200 else None
-    return model or (await client.models.list()).data[0].id, version
+    return model or (await http.get("/v1/models")).raise_for_status().json()["data"][0]["id"], version
 
 
 async def _measure(args: argparse.Namespace, concurrency: list[int]) -> dict:
     base = args.url.rstrip("/").removesuffix("/v1")
-    async with AsyncOpenAI(base_url=f"{base}/v1", api_key="EMPTY", timeout=600, max_retries=0) as client:
-        model, version = await _server_facts(base, args.model, client)
+    async with (httpx.AsyncClient(base_url=base, timeout=600) as http,
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session):
+        model, version = await _server_facts(http, args.model)
         total = 2 + args.turns * sum(concurrency) + 2 * args.ttft_repeats
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            load = AgentLoad(client, base, model, args.prefix_tokens, args.output_tokens, on_request=bar.update)
+            load = AgentLoad(session, base, model, args.prefix_tokens, args.output_tokens, on_request=bar.update)
             await load.warm_up()
             levels = [await load.level(c, args.turns) for c in concurrency]
             cold_tokens = args.cold_prefix_tokens or args.prefix_tokens
