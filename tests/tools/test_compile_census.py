@@ -58,3 +58,13 @@ def test_a_recorded_variant_compiles_as_launched() -> None:
     assert kernel.constexprs == {"stride_i1": 1, "TOP_K": 8, "BLOCK": 256}
     assert kernel.signature["parts"] == "i32" and kernel.signature["y_ptr"] == "*fp32"
     assert set(kernel.aligned) == {"y_ptr", "ids_ptr", "size_n", "hidden", "out_ptr", "stride_om"}
+
+
+def test_every_codebook_and_mixed_rates_census() -> None:
+    """A layer mixing K and all three codebooks (the GPU tests' layer, fp32): its table is mixed, so gate/up and
+    down compile their mixed-rate variants, as many as a uniform layer's."""
+    layer = compile_census.CensusLayer("mixed", 128, 256, 6, 2, ((3, "mul1"), (2.5, "mul1"), (4, "mcg"),
+                                                                 (2, "3inst"), (5, "mul1")), "fp32")
+    variants = compile_census.layer_variants(layer, 120, (1, 8, 9, 64, 300))
+    gate_up = [dict((p, spec) for p, _, spec in key[1]) for key in variants if key[0] == "moe_gate_up_kernel"]
+    assert len(gate_up) == 3 and all(v["TWICE_K_GATE"] == 0 and v["CODEBOOK_GATE"] == -1 for v in gate_up)

@@ -75,7 +75,7 @@ def meta_layer(layer: CensusLayer) -> MoELayer:
         sets.append({p: Exl3Linear(
             f"experts.{e}.{p}", torch.empty(rows // 16, cols // 16, int(16 * k), dtype=torch.int16, device=META),
             torch.empty(rows, dtype=torch.float16, device=META), torch.empty(cols, dtype=torch.float16, device=META),
-            Codebook[codebook.upper()], k) for p, (rows, cols) in shapes.items()})
+            Codebook(codebook), k) for p, (rows, cols) in shapes.items()})
     placed = [place_expert(s, True, None, META) for s in sets]
     experts, scales = stack_scales(placed, META)
     tables = build_pointer_tables(experts, kernel_address(None, META), META)
