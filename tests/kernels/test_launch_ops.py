@@ -52,4 +52,4 @@ def test_launch_writes_nothing_on_meta_or_fake_tensors() -> None:
 def test_the_backends_launches_are_registered() -> None:
     names = {"exl3_matmul_triton", "exl3_matmul_cpu", "moe_gate_up_triton", "moe_down_triton", "moe_sum_triton",
              "linear_triton", "linear_finish_triton"}
-    assert {f"vllm_expert_offload::{name}" for name in names} <= LAUNCH_OPS
+    assert {f"vllm_expert_offload::{name}" for name in names} <= set(LAUNCH_OPS)

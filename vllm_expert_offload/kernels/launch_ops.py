@@ -34,7 +34,9 @@ from .ops import LIBRARY
 TableLaunch = Callable[..., None]  # (a, row_ids, block_matrix, table, out[, fill]): MatmulBackend.launch
 
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")  # noqa: TOR901 (kept alive for the ops' lifetime)
-LAUNCH_OPS: set[str] = set()  # "vllm_expert_offload::<name>" of every launch registered here
+# "vllm_expert_offload::<name>" of every launch registered here -> its launcher (the compile census calls it on meta
+# tensors with Triton's launches recorded, tools/compile_census.py)
+LAUNCH_OPS: dict[str, Callable[..., None]] = {}
 
 
 def _writes_nothing(*args: object) -> None:
@@ -48,7 +50,7 @@ def register_launch(name: str, arguments: str, launch: Callable[..., None]) -> C
     _lib.impl(name, launch, "CompositeExplicitAutograd")
     _lib.impl(name, _writes_nothing, "Meta")
     _lib._register_fake(name, _writes_nothing)
-    LAUNCH_OPS.add(f"{LIBRARY}::{name}")
+    LAUNCH_OPS[f"{LIBRARY}::{name}"] = launch
     return getattr(getattr(torch.ops, LIBRARY), name).default
 
 

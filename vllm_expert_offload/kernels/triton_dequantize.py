@@ -89,7 +89,7 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
         tl.store(_piece_rows(piece, out_stride, _PIECE), acc.to(piece.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])  # a chunk's first expert: one variant for every chunk
 def dequantize_kernel(
     trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, size_k, size_n,
     n_first, out_ptr, matrix_stride, out_stride,

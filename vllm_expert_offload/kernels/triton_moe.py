@@ -121,12 +121,23 @@ def _output_pieces(size_n):
     return n0, n0 + 128 < size_n
 
 
+def slots_p2(num_slots: int, top_k: int, dedup: bool) -> int:
+    """SLOTS_P2 of a launch: the power of two the in-kernel dedup's slot vector is padded to, in two widths only, so
+    that vLLM's capture sizes share compiled variants (each value is one compile per kernel and worker at startup;
+    every power of two up to DEDUP_MAX_TOKENS * top_k made seven): decode batches (up to DECODE_MAX_TOKENS tokens)
+    and the rest of the dedup range; 1 where the slots are sorted by torch instead (no dedup)."""
+    if not dedup:
+        return 1
+    tokens = DECODE_MAX_TOKENS if num_slots <= DECODE_MAX_TOKENS * top_k else DEDUP_MAX_TOKENS
+    return triton.next_power_of_2(tokens * top_k)
+
+
 def _pieces_grid(size_n: int) -> int:
     """Programs along the output: two 128-wide output pieces a program, sharing their input."""
     return triton.cdiv(size_n, 2 * PIECE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # one variant for every batch size: slots_p2 says why
 def moe_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
     row_ids_ptr, block_matrix_ptr, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr,
@@ -191,7 +202,7 @@ def moe_gate_up_kernel(
                 store_rotated(up_rows, row_ok, n0 + 128, acc_up_second, signs, svh_up, DOT_FP16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def moe_down_kernel(
     partial_ptr, gate_parts, route_ptr, stride_r0, stride_r1, ids_ptr, stride_i0, stride_i1, num_slots,
     row_ids_ptr, block_matrix_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
@@ -255,7 +266,7 @@ def moe_down_kernel(
                            route)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts", "num_slots"])
 def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_n, hidden, out_ptr, stride_om,
                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, n] = Σ_j Σ_part y[part, t·top_k + j, n], in that fixed order, cast to out's dtype; a slot of expert -1
@@ -277,6 +288,8 @@ def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_
 # K = 1, 4, 5, 8 and 2 or 3 stages; tests/kernels/test_pipeline_stages.py compiles the tightest case): a base, and per
 # pipeline stage beyond the first a copy of one K step's loads, the x halves and 2 KiB per trellis bit of a weight
 # (fp32 models: 36,864 + (stages - 1) * (12,288 + 4,096 K); half precision: 18,432 + (stages - 1) * (4,096 + 4,096 K)).
+# Exact where it decides (fp32 K = 4/5/8, fp16 K = 8, sm_90 and sm_120 alike); below K = 4 Triton may allocate more
+# (bf16 K = 3: 60,416 B, the compile census), far under either limit.
 _GATE_UP_BASE = {True: 18_432, False: 36_864}  # by DOT_FP16
 _GATE_UP_X_STAGE = {True: 4_096, False: 12_288}
 MAX_STAGES = 3  # Triton's default: the loop's loads issued two steps ahead
@@ -315,7 +328,7 @@ def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_
         gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
         up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
         size_k, size_n, size_k // PIECE, partial, suh_down, keep_ptr, limit,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=slots_p2(num_slots, ids.shape[1], dedup),
         TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
         DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, FILL=fill, FINISH=parts == 1, **activation,
         num_warps=MATMUL_WARPS,
@@ -336,7 +349,7 @@ def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh
         partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
         num_slots, row_ids, block_matrix, keep_ptr, suh_down, svh_down, limit, down_trellis, down_twice_k,
         down_codebook, down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=triton.next_power_of_2(num_slots) if dedup else 1,
+        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=slots_p2(num_slots, ids.shape[1], dedup),
         TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
         FILL=fill, FINISHED=partial.shape[0] == 1, **activation, num_warps=MATMUL_WARPS,
     )
@@ -527,7 +540,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
             if mode == "prefill" and dtype != "fp16":
                 continue
             flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=BLOCK_M,
-                         SLOTS_P2=triton.next_power_of_2(shape.top_k) if dedup else 1, DOT_FP16=dtype != "fp32",
+                         SLOTS_P2=slots_p2(shape.top_k, shape.top_k, dedup), DOT_FP16=dtype != "fp32",
                          ROUTE_ON_INPUT=False, FILL=False, CLAMP=False, CROP=False)
             gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
                        "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16",

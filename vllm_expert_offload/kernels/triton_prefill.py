@@ -47,7 +47,7 @@ def _block(row_ids_ptr, block_matrix_ptr, first, chunk, BLOCK_M: tl.constexpr):
     return tl.where(mine, matrix, -1), rows, rows >= 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])  # a chunk's first expert: one variant for every chunk
 def grouped_gate_up_kernel(
     x_ptr, stride_xm, hidden, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
     matrix_stride, size_k, size_n, suh_gate_ptr, suh_up_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, keep_ptr,
@@ -84,7 +84,7 @@ def grouped_gate_up_kernel(
                          svh_up_ptr + matrix * size_n, suh_down_ptr + matrix * size_n, keep_ptr, swiglu_limit, DOT_FP16, CLAMP, CROP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])
 def grouped_down_kernel(
     partial_ptr, route_ptr, stride_r0, stride_r1, row_ids_ptr, block_matrix_ptr, first, chunk, w_ptr,
     matrix_stride, size_k, size_n, svh_down_ptr, out_ptr,

@@ -16,7 +16,9 @@ builds one), else the reason it is skipped.
 With --static, no timing: the Triton backend's kernels compiled for sm_90 and sm_120 (no GPU needed), their
 registers, spills, shared memory, trellis load width and decode-loop instructions per weight, the launches of its
 forwards counted under Triton's interpreter, and estimates of the decode time per MoE layer and of a prefill's
-decode-once kernel per expert (tools/static_report.py).
+decode-once kernel per expert (tools/static_report.py), and the compile census: per model shape the kernel
+variants vLLM's startup compiles (its capture sizes and profile run), their compile time here and shared memory
+against each target's limit (tools/compile_census.py).
 """
 
 from __future__ import annotations
@@ -122,13 +124,14 @@ def measure(shape: dict, repeats: int, exllamav3=None) -> dict:
 
 def run_static(path: Path) -> int:
     """The static report: compiles and the launch census each in a child Python (static_kernels.py, launch_census.py)."""
-    from . import static_kernels, static_report
+    from . import compile_census, static_kernels, static_report
     from .launch_census import census_report
 
     targets = static_kernels.compile_report(TRITON_KERNELS, static_report.SHAPES)
     print("counting launches under Triton's interpreter", flush=True)
     launches = census_report(TRITON_BACKEND)
-    report = {"targets": targets, "launches": launches}
+    print("compile census: every variant vLLM's startup compiles, compiled here", flush=True)
+    report = {"targets": targets, "launches": launches, "compile_census": compile_census.census_report()}
     report["estimates"] = static_report.estimates(targets, launches, estimate_kernel)
     report["dequantize_estimates"] = static_report.dequantize_estimates(targets, dequantize_kernels)
     report["shapes"] = static_report.shapes_json()

@@ -114,6 +114,12 @@ def summary_lines(report: dict) -> list[str]:
             lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one MoE layer at 1 token: {e['predicted_us']} µs "
                          f"(decode issue {e['decode_issue_us']} + launches {e['launch_us']}); floors: HBM "
                          f"{e['hbm_floor_us']} µs, PCIe {e['pcie_floor_us']} µs (all experts host-tier)")
+    for target, per_model in report.get("compile_census", {}).items():
+        for model, c in per_model.items():
+            lines.append(f"CENSUS {target} {model}: {c['count']} variants at startup ("
+                         + ", ".join(f"{k} {n}" for k, n in c["by_kernel"].items())
+                         + f"), {c['compile_s']} s to compile here, shared memory at most {c['shared_bytes_max']} B "
+                         f"of {c['shared_limit']} B ({c['variants_over_limit']} over)")
     for target, per_model in report["dequantize_estimates"].items():
         for model, e in per_model.items():
             lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one expert decoded once for a prefill (gate and up "
