@@ -116,10 +116,11 @@ def summary_lines(report: dict) -> list[str]:
                          f"{e['hbm_floor_us']} µs, PCIe {e['pcie_floor_us']} µs (all experts host-tier)")
     for target, per_model in report.get("compile_census", {}).items():
         for model, c in per_model.items():
+            compiled = (f"{c['compile_s']} s to compile here, shared memory at most {c['shared_bytes_max']} B of "
+                        f"{c['shared_limit']} B ({c['variants_over_limit']} over)") if "compile_s" in c else \
+                "counted, not compiled"
             lines.append(f"CENSUS {target} {model}: {c['count']} variants at startup ("
-                         + ", ".join(f"{k} {n}" for k, n in c["by_kernel"].items())
-                         + f"), {c['compile_s']} s to compile here, shared memory at most {c['shared_bytes_max']} B "
-                         f"of {c['shared_limit']} B ({c['variants_over_limit']} over)")
+                         + ", ".join(f"{k} {n}" for k, n in c["by_kernel"].items()) + f"), {compiled}")
     for target, per_model in report["dequantize_estimates"].items():
         for model, e in per_model.items():
             lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one expert decoded once for a prefill (gate and up "
