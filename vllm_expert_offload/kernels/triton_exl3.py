@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidValueError
 from .contract import Backend
 from .launch_ops import register_table_launch
 from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTable
@@ -82,9 +83,9 @@ def launch_exl3_matmul(
     """
     blocks = block_matrix.shape[0]
     if row_ids.shape[0] != blocks * BLOCK_M:
-        raise ValueError(f"row_ids holds {row_ids.shape[0]} entries, expected {blocks} blocks x {BLOCK_M}")
+        raise InvalidValueError(f"row_ids holds {row_ids.shape[0]} entries, expected {blocks} blocks x {BLOCK_M}")
     if a.dtype not in (torch.float16, torch.float32) or out.dtype != torch.float32:
-        raise ValueError(f"a must be fp16/fp32 and out fp32, got {a.dtype} and {out.dtype}")
+        raise InvalidValueError(f"a must be fp16/fp32 and out fp32, got {a.dtype} and {out.dtype}")
     _launch_kernel(a, row_ids, block_matrix, table, out)
 
 

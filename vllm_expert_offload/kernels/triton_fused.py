@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidStateError
 from ..exl3.hadamard import HADAMARD_BLOCK
 from .triton_decode import COMPILED, decode_block
 
@@ -226,7 +227,7 @@ class Workspaces:
         if held is not None and held.numel() >= numel:
             return held[:numel].view(shape)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fused Triton workspace {purpose!r}: a captured batch needs {numel} floats, "
+            raise InvalidStateError(f"fused Triton workspace {purpose!r}: a captured batch needs {numel} floats, "
                                f"{0 if held is None else held.numel()} were reserved when the layer was built")
         return torch.empty(shape, dtype=torch.float32, device=device)
 

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidValueError
 from ..exl3.naming import PROJECTIONS
 from ..memory.arena import HostArena
 from ..offload.tiers import PlacedExpert
@@ -458,7 +459,7 @@ class FusedTritonMoE:
         if fill is not None:
             for p in PROJECTIONS:
                 if fill[p].dtype != torch.int64 or fill[p].shape != (self.num_experts,):
-                    raise ValueError(f"fill[{p!r}] must be int64 ({self.num_experts},), got {fill[p].dtype} "
+                    raise InvalidValueError(f"fill[{p!r}] must be int64 ({self.num_experts},), got {fill[p].dtype} "
                                      f"{tuple(fill[p].shape)}")
         self.fill = fill
 
