@@ -184,38 +184,35 @@ def _launched(kernels: list[StaticKernel], shape: LayerShape, target: str, capab
     return launched
 
 
-def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
-    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}; identical compiles are analysed once.
-    In-process: Triton must not be running its interpreter here."""
-    done: dict[tuple, dict] = {}
+def _each_variant(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape],
+                  measure: Callable[[StaticKernel, int], object], announce: bool = False) -> dict[str, dict]:
+    """{"sm_90": {"<model>/<kernel>": measure(kernel, capability)}, ...} over every variant each target launches;
+    identical compiles are measured once. In-process: Triton must not be running its interpreter here."""
+    done: dict[tuple, object] = {}
     targets = {}
     for target, capability in TARGETS.items():
-        kernels = {}
+        found = {}
         for shape in shapes:
             for kernel in _launched(kernels_for(shape), shape, target, capability):
                 key = _kernel_key(kernel, capability)
                 if key not in done:
-                    print(f"compiling {kernel.name} for {target}", file=sys.stderr, flush=True)
-                    done[key] = analyse(kernel, capability)
-                kernels[f"{shape.model}/{kernel.name}"] = done[key]
-        targets[target] = {"kernels": kernels}
+                    if announce:
+                        print(f"compiling {kernel.name} for {target}", file=sys.stderr, flush=True)
+                    done[key] = measure(kernel, capability)
+                found[f"{shape.model}/{kernel.name}"] = done[key]
+        targets[target] = found
     return targets
+
+
+def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
+    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}: `analyse` of every variant."""
+    return {target: {"kernels": kernels}
+            for target, kernels in _each_variant(kernels_for, shapes, analyse, announce=True).items()}
 
 
 def shared_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
     """{"sm_90": {"<model>/<kernel>": shared bytes}, ...}: `shared_bytes` of every variant each target launches."""
-    done: dict[tuple, int] = {}
-    targets = {}
-    for target, capability in TARGETS.items():
-        sizes = {}
-        for shape in shapes:
-            for kernel in _launched(kernels_for(shape), shape, target, capability):
-                key = _kernel_key(kernel, capability)
-                if key not in done:
-                    done[key] = shared_bytes(kernel, capability)
-                sizes[f"{shape.model}/{kernel.name}"] = done[key]
-        targets[target] = sizes
-    return targets
+    return _each_variant(kernels_for, shapes, shared_bytes)
 
 
 _MODES = {"compile": compile_targets, "shared": shared_targets}
