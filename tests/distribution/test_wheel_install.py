@@ -23,11 +23,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from vllm_expert_offload.kernels.cpu_exl3 import kernel_sources
+
 from support.paths import REPO
 
 pytestmark = pytest.mark.packaging
 CHECK_SCRIPT = Path(__file__).with_name("check_installed.py")
-KERNEL_SOURCES = ("exl3_cpu.cpp", "exl3_matmul.inc", "exl3_viterbi.inc")
+KERNEL_SOURCES = tuple(path.name for path in kernel_sources())  # every file the extension compiles or includes
 
 
 def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
