@@ -21,7 +21,7 @@ A new step is one method and one line in `forward`.
 Every step is device work: vLLM captures this forward in CUDA graphs and replays it for padded batches and for a
 data-parallel engine's dummy batches, so whether a row is real is read from the device, from the model runner's
 persistent `is_padding` buffer (vLLM 0.32/0.33, V1 and V2 runners: filled before every step, all True in dummy runs
-and captures), never from a Python flag the capture would freeze. Under data parallelism only this engine's rows
+and captures, read only under VLLM_MOE_SKIP_PADDING as vLLM's routers read it), never from a Python flag the capture would freeze. Under data parallelism only this engine's rows
 have a mask (vLLM gathers tokens, not the mask), so there padding is kept out of the routing statistics only; the
 kernel, the read counters and the cache see every engine's rows, identically on every rank.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm import forward_context
+from vllm import envs, forward_context
 
 from ...kernels.contract import MoEKernel
 from ...kernels.expert_slots import ExpertSlots
@@ -99,8 +99,10 @@ class MoERuntime:
     @staticmethod
     def _padding() -> torch.Tensor | None:
         """bool (this engine's rows,): True on padding rows (a captured size's tail, every row of a dummy batch),
-        read from the device by a replayed graph; None outside a vLLM step (tests, benchmarks: every row is real)."""
-        if not forward_context.is_forward_context_available():
+        read from the device by a replayed graph; None outside a vLLM step (tests, benchmarks: every row is real)
+        and with VLLM_MOE_SKIP_PADDING=0, where vLLM's V2 runner stops filling the mask for real steps (its rows
+        still say what the last dummy batch wrote: every row padding) and vLLM's own routers ignore it too."""
+        if not envs.VLLM_MOE_SKIP_PADDING or not forward_context.is_forward_context_available():
             return None
         return forward_context.get_forward_context().is_padding
 
