@@ -21,7 +21,7 @@ from ...kernels.oracle import BackendUnavailable, KernelChoice, backend
 from ...offload.cache_policy import CacheSettings
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
-from ..vllm_hooks import install_crash_line, install_profile_flag
+from ..vllm_hooks import install_crash_line, install_profile_flag, install_replay_padding
 from .expert_loading import ExpertLoading
 from .gathered_rows import gathered_capture_rows
 from .moe_runtime import MoERuntime
@@ -62,6 +62,7 @@ def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts
                                      rank, parallel.dp_rank, parallel.dp_size, cache, first_in_engine)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
+            install_replay_padding()
         process.placement = placement
     elif rank is not None and process.placement.rank != rank:
         raise Exl3FormatError(f"expert map of this MoE layer ({rank.label()}) differs from the first layer's "
