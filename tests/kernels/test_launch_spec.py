@@ -15,7 +15,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_expert_offload.errors import InvalidValueError
-from vllm_expert_offload.kernels import triton_moe, triton_prefill
+from vllm_expert_offload.kernels import triton_dequantize, triton_linear, triton_moe, triton_prefill
 from vllm_expert_offload.kernels.launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer
 from vllm_expert_offload.kernels.matrix_table import MatrixTable
 from vllm_expert_offload.kernels.triton_moe_steps import INPUT_ROWS, MatrixArgs, writes_through
@@ -85,7 +85,9 @@ def test_the_spec_and_the_kernel_must_name_the_same_arguments() -> None:
 
 
 def test_the_backends_ops_are_registered_with_the_generated_schemas() -> None:
-    for spec in (triton_moe.GATE_UP, triton_moe.DOWN, triton_moe.SUM, triton_prefill.GATE_UP, triton_prefill.DOWN):
+    specs = (triton_moe.GATE_UP, triton_moe.DOWN, triton_moe.SUM, triton_prefill.GATE_UP, triton_prefill.DOWN,
+             triton_dequantize.SPEC, triton_linear.LINEAR, triton_linear.FINISH)
+    for spec in specs:
         schema = getattr(torch.ops.vllm_expert_offload, spec.op).default._schema
         assert str(schema) == f"vllm_expert_offload::{spec.op}({spec.schema()}) -> ()"
     assert ("Tensor gate_trellis, Tensor gate_twice_k, Tensor gate_codebook, Tensor? gate_fill, "

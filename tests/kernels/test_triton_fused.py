@@ -524,7 +524,7 @@ def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatc
                                                                        pattern: str) -> None:
     moe, linear = _meta_fused()
     monkeypatch.setattr(triton_moe, "_gate_up", planted(triton_moe._gate_up, BAD_PATTERNS[pattern], argument="x"))
-    monkeypatch.setattr(triton_linear, "_linear", planted(triton_linear._linear, BAD_PATTERNS[pattern]))
+    monkeypatch.setattr(triton_linear, "_linear", planted(triton_linear._linear, BAD_PATTERNS[pattern], argument="x"))
     x, weights, ids = meta_routing(3, 2, HIDDEN)
     with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
         moe.forward(x, weights, ids, False)

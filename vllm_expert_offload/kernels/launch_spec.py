@@ -38,7 +38,7 @@ class Arg:
     it becomes: runtime ones (name -> Triton type) and constexprs, named with "{p}" / "{P}" for the structure field's
     prefix (the structure's name in the spec, as is / upper-cased), made by `expand(value, owner)` (the runtime
     values in order, then the constexprs'; `owner` is the structure, or the op's arguments for a plain one), by
-    default the value itself."""
+    default the value itself. An argument that becomes no kernel argument is the launcher's alone (a grid size)."""
 
     schema: str = ""
     kernel: Mapping[str, str] = field(default_factory=dict)
@@ -58,10 +58,16 @@ def pointer(name: str, triton: str, schema: str = "Tensor") -> Arg:
     return Arg(schema, {name: triton})
 
 
-def strided(name: str, triton: str, strides: tuple[str, str], schema: str = "Tensor") -> Arg:
-    """A 2-D tensor the kernel reads through pointer `name` and its two strides (i32 arguments `strides`)."""
-    return Arg(schema, {name: triton, strides[0]: "i32", strides[1]: "i32"},
-               expand=lambda t, _: (t, t.stride(0), t.stride(1)))
+def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor") -> Arg:
+    """A tensor the kernel reads (or writes) through pointer `name` and its leading strides (i32 arguments
+    `strides`: the first dimension's, then the second's, ...)."""
+    return Arg(schema, {name: triton, **{stride: "i32" for stride in strides}},
+               expand=lambda t, _: (t, *t.stride()[:len(strides)]))
+
+
+def integer(name: str) -> Arg:
+    """An int argument of the op that the kernel takes as the i32 argument of the same name."""
+    return Arg("int", {name: "i32"})
 
 
 def derived(name: str, triton: str = "i32") -> Arg:
@@ -171,7 +177,10 @@ class LaunchSpec:
                 scope = owner if leaf.field is None else value
                 if leaf.field is not None:
                     value = getattr(value, leaf.field)
-                made = (value,) if leaf.arg.expand is None else leaf.arg.expand(value, scope)
+                if leaf.arg.expand is not None:
+                    made = leaf.arg.expand(value, scope)
+                else:
+                    made = (value,) if leaf.names else ()  # no kernel argument: the launcher's alone (a grid size)
                 out.update(zip(leaf.names, made, strict=True))
         return out
 

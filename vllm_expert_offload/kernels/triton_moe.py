@@ -55,7 +55,7 @@ from ..offload.tiers import PlacedExpert
 from .contract import ExpertCrop, MoELayer
 from .expert_blocks import blocks_where, grouped_blocks, slot_counts
 from .expert_slots import ExpertSlots
-from .launch_spec import ACTIVATION, Arg, LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer, strided
+from .launch_spec import ACTIVATION, LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer, strided
 from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
@@ -400,7 +400,7 @@ DOWN = LaunchSpec("moe_down_triton", moe_down_kernel, {
             "finished": constexpr("FINISHED")})
 SUM = LaunchSpec("moe_sum_triton", moe_sum_kernel, {
     "y": pointer("y_ptr", "*fp32"), "ids": strided("ids_ptr", "*i64", ("stride_i0", "stride_i1")),
-    "out": Arg("Tensor(a!)", {"out_ptr": ACTIVATION, "stride_om": "i32"}, expand=lambda out, _: (out, out.stride(0))),
+    "out": strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)"),
 }, derived={"parts": derived("parts"), "num_slots": derived("num_slots"), "size_n": derived("size_n"),
             "hidden": derived("hidden"), "top_k": constexpr("TOP_K"), "block": constexpr("BLOCK")})
 _gate_up = GATE_UP.register(_launch_gate_up)

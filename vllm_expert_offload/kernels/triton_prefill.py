@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .expert_blocks import blocks_where, grouped_blocks
-from .launch_spec import Arg, LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer, strided
+from .launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, integer, pointer, strided
 from .matrix_table import MatrixTable
 from .pointer_tables import ScaleStacks
 from .static_spec import LayerShape, StaticKernel
@@ -122,8 +122,8 @@ class ChunkBlocks:
 
     row_ids: torch.Tensor = arg(pointer("row_ids_ptr", "*i32"))
     block_matrix: torch.Tensor = arg(pointer("block_matrix_ptr", "*i32"))
-    first: int = arg(Arg("int", {"first": "i32"}))
-    chunk: int = arg(Arg("int", {"chunk": "i32"}))
+    first: int = arg(integer("first"))
+    chunk: int = arg(integer("chunk"))
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Decoded:
     matrices every `matrix_stride` elements."""
 
     w: torch.Tensor = arg(pointer("w_ptr", "*fp16"))
-    matrix_stride: int = arg(Arg("int", {"matrix_stride": "i32"}))
+    matrix_stride: int = arg(integer("matrix_stride"))
 
 
 _SCALE = "*fp16"
@@ -159,8 +159,7 @@ def _launch_down(args: LaunchArgs) -> None:
 
 
 GATE_UP = LaunchSpec("moe_grouped_gate_up_triton", grouped_gate_up_kernel, {
-    "x": INPUT_ROWS, "route": _ROUTE, "blocks": ChunkBlocks, "decoded": Decoded,
-    "size_k": Arg("int", {"size_k": "i32"}),
+    "x": INPUT_ROWS, "route": _ROUTE, "blocks": ChunkBlocks, "decoded": Decoded, "size_k": integer("size_k"),
     "suh_gate": pointer("suh_gate_ptr", _SCALE), "suh_up": pointer("suh_up_ptr", _SCALE),
     "svh_gate": pointer("svh_gate_ptr", _SCALE), "svh_up": pointer("svh_up_ptr", _SCALE),
     "suh_down": pointer("suh_down_ptr", _SCALE), "keep": KEEP, "swiglu_limit": SWIGLU_LIMIT,
