@@ -15,7 +15,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_expert_offload.errors import InvalidValueError
-from vllm_expert_offload.kernels import triton_dequantize, triton_linear, triton_moe, triton_prefill
+from vllm_expert_offload.kernels import triton_dequantize, triton_exl3, triton_linear, triton_moe, triton_prefill
 from vllm_expert_offload.kernels.launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer
 from vllm_expert_offload.kernels.matrix_table import MatrixTable
 from vllm_expert_offload.kernels.triton_moe_steps import INPUT_ROWS, MatrixArgs, writes_through
@@ -154,3 +154,11 @@ def test_fill_tables_come_for_every_projection_or_none() -> None:
     assert writes_through(filled, filled) and not writes_through(bare, bare)
     with pytest.raises(InvalidValueError, match="every projection of a launch or for none"):
         writes_through(filled, bare)
+
+
+def test_the_matmul_launcher_reads_the_table_field_for_field() -> None:
+    """TRITON_MATMUL's op takes the contract's MatrixTable; the kernel's arguments come from it field by field, so a
+    field MatrixTable gains must be one the kernel is told about."""
+    assert [f.name for f in dataclasses.fields(triton_exl3.TableArgs)] == \
+        [f.name for f in dataclasses.fields(MatrixTable)]
+    assert triton_exl3.TableArgs.of(_table(5)).uniform_twice_k == 6
