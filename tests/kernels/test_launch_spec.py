@@ -22,7 +22,7 @@ from vllm_expert_offload.kernels.triton_moe_steps import INPUT_ROWS, MatrixArgs,
 
 
 @triton.jit
-def _echo(x_ptr, stride_xm, hidden, gate_trellis, gate_twice_k, gate_codebook, gate_fill, out_ptr, size_n,
+def _echo(x_ptr, stride_xm, hidden, size_n, gate_trellis, gate_twice_k, gate_codebook, gate_fill, out_ptr,
           TWICE_K_GATE: tl.constexpr, CODEBOOK_GATE: tl.constexpr, FILL: tl.constexpr):
     """Stores what it was handed, each in its own place: the runtime scalars, the constexprs, a word of each table."""
     tl.store(out_ptr + 0, stride_xm)
@@ -39,8 +39,8 @@ def _echo(x_ptr, stride_xm, hidden, gate_trellis, gate_twice_k, gate_codebook, g
 
 
 @triton.jit
-def _echo_with_extra(x_ptr, stride_xm, hidden, gate_trellis, gate_twice_k, gate_codebook, gate_fill, gate_extra,
-                     out_ptr, size_n, TWICE_K_GATE: tl.constexpr, CODEBOOK_GATE: tl.constexpr, FILL: tl.constexpr):
+def _echo_with_extra(x_ptr, stride_xm, hidden, size_n, gate_trellis, gate_twice_k, gate_codebook, gate_fill,
+                     gate_extra, out_ptr, TWICE_K_GATE: tl.constexpr, CODEBOOK_GATE: tl.constexpr, FILL: tl.constexpr):
     tl.store(out_ptr, gate_extra)
 
 
@@ -62,12 +62,12 @@ def test_a_field_added_to_a_structure_reaches_the_schema_and_the_signature() -> 
     assert plain.schema() == ("Tensor x, Tensor gate_trellis, Tensor gate_twice_k, Tensor gate_codebook, "
                               "Tensor? gate_fill, int gate_uniform_twice_k, int gate_uniform_codebook, Tensor(a!) out")
     assert extra.schema() == plain.schema().replace(", Tensor(a!) out", ", int gate_extra, Tensor(a!) out")
-    assert plain.signature("*bf16") == {"x_ptr": "*bf16", "stride_xm": "i32", "hidden": "i32", "gate_trellis": "*i64",
-                                        "gate_twice_k": "*i32", "gate_codebook": "*i32", "gate_fill": "*i64",
-                                        "out_ptr": "*i64", "size_n": "i32"}
-    with_extra = extra.signature("*bf16")
-    assert list(with_extra) == [p for p in _echo_with_extra.arg_names if p.islower()]  # the kernel's order
-    assert with_extra == plain.signature("*bf16") | {"gate_extra": "i32"}
+    # in the kernel's order (the PTX parameters'), not the spec's: size_n, derived, comes fourth
+    assert list(plain.signature("*bf16").items()) == [
+        ("x_ptr", "*bf16"), ("stride_xm", "i32"), ("hidden", "i32"), ("size_n", "i32"), ("gate_trellis", "*i64"),
+        ("gate_twice_k", "*i32"), ("gate_codebook", "*i32"), ("gate_fill", "*i64"), ("out_ptr", "*i64")]
+    with_extra = list(extra.signature("*bf16").items())
+    assert with_extra == list(plain.signature("*bf16").items())[:8] + [("gate_extra", "i32"), ("out_ptr", "*i64")]
 
 
 def test_the_spec_and_the_kernel_must_name_the_same_arguments() -> None:
