@@ -291,8 +291,9 @@ def moe_sum_kernel(y_ptr, ids_ptr, stride_i0, stride_i1, parts, num_slots, size_
 # K = 1, 4, 5, 8 and 2 or 3 stages; tests/kernels/test_pipeline_stages.py compiles the tightest case): a base, and per
 # pipeline stage beyond the first a copy of one K step's loads, the x halves and 2 KiB per trellis bit of a weight
 # (fp32 models: 36,864 + (stages - 1) * (12,288 + 4,096 K); half precision: 18,432 + (stages - 1) * (4,096 + 4,096 K)).
-# Exact where it decides (fp32 K = 4/5/8, fp16 K = 8, sm_90 and sm_120 alike); below K = 4 Triton may allocate more
-# (bf16 K = 3: 60,416 B, the compile census), far under either limit.
+# Exact where it decides (fp32 K = 4/5/8, fp16 K = 8, sm_90 and sm_120 alike) and for fp32 below (K = 1/2/3 at 3
+# stages on sm_120: 69,632 / 77,824 / 86,016 B, 12-04); half precision below K = 4 may take more (bf16 K = 3:
+# 60,416 B, the compile census), far under either limit.
 _GATE_UP_BASE = {True: 18_432, False: 36_864}  # by DOT_FP16
 _GATE_UP_X_STAGE = {True: 4_096, False: 12_288}
 MAX_STAGES = 3  # Triton's default: the loop's loads issued two steps ahead
