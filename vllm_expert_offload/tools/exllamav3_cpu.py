@@ -92,8 +92,15 @@ class Exllamav3Layer:
         self.handle = module.make_layer(*lists, [], [], [], 0, 0.0, 1 if group else 0)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """exllamav3's forward, with the calling thread's CPU affinity as it was before: its pool runs the caller
+        as worker 0 and pins it to the first core on every call (its own worker process owns the thread), which
+        would leave this process's main thread pinned to one core for whatever runs on it next."""
         out = torch.empty(x.shape, dtype=torch.float32)
-        self.module.forward(self.handle, x, ids, weights, out, self.threads)
+        affinity = os.sched_getaffinity(0)
+        try:
+            self.module.forward(self.handle, x, ids, weights, out, self.threads)
+        finally:
+            os.sched_setaffinity(0, affinity)
         return out
 
 
