@@ -1,6 +1,6 @@
 """tools/exllamav3_cpu.py without the scratch build: the packed layout it hands exllamav3 (checked tile by tile
-against moe_mul1.h's index formula), the reasons it gives when no build can be loaded, and a forward that leaves
-the caller's CPU affinity as it found it."""
+against moe_mul1.h's index formula), the reasons it gives when no build can be loaded, and undoing the CPU affinity
+exllamav3 gives its caller."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_exllamav3_from_names_why_it_is_absent(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to one CPU changes nothing on one CPU")
-def test_forward_restores_the_callers_affinity() -> None:
+def test_release_caller_restores_the_affinity_exllamav3_pinned() -> None:
     """exllamav3's pool pins its calling thread to one core; the benchmark's other kernel must not inherit that."""
     before = os.sched_getaffinity(0)
 
@@ -46,7 +46,12 @@ def test_forward_restores_the_callers_affinity() -> None:
             out.fill_(1.0)
 
     layer = object.__new__(Exllamav3Layer)
-    layer.module, layer.threads, layer.handle = Pinning(), 2, 0
-    out = layer.forward(torch.zeros(1, 4, dtype=torch.half), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int32))
-    assert os.sched_getaffinity(0) == before
-    assert torch.equal(out, torch.ones(1, 4))
+    layer.module, layer.threads, layer.handle, layer.affinity = Pinning(), 2, 0, before
+    try:
+        out = layer.forward(torch.zeros(1, 4, dtype=torch.half), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+        assert torch.equal(out, torch.ones(1, 4))
+        assert os.sched_getaffinity(0) == {min(before)}  # as exllamav3 leaves it
+        layer.release_caller()
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)
