@@ -34,12 +34,15 @@ from vllm_expert_offload.tools.random_layers import median_seconds, random_moe
 CPU = torch.device("cpu")
 
 
-def paired_seconds(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+def paired_seconds(ours: Callable[[], object], theirs: Callable[[], object], repeats: int,
+                   after_theirs: Callable[[], None]) -> tuple[float, float, float]:
     """Median seconds of each and the median of their per-pair ratio (theirs / ours): the two run back to back,
     in alternating order, `repeats` times after a warm-up, so load from other jobs on a shared machine falls on
-    both alike instead of on whichever ran during it."""
+    both alike instead of on whichever ran during it. `after_theirs` runs untimed after each of their calls
+    (exllamav3 pins the calling thread to one core: Exllamav3Layer.release_caller)."""
     ours()
     theirs()
+    after_theirs()
     times: dict[str, list[float]] = {"ours": [], "theirs": []}
     for i in range(repeats):
         order = (("ours", ours), ("theirs", theirs)) if i % 2 == 0 else (("theirs", theirs), ("ours", ours))
@@ -47,6 +50,8 @@ def paired_seconds(ours: Callable[[], object], theirs: Callable[[], object], rep
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if name == "theirs":
+                after_theirs()
     ratios = [t / o for o, t in zip(times["ours"], times["theirs"])]
     return statistics.median(times["ours"]), statistics.median(times["theirs"]), statistics.median(ratios)
 
@@ -73,7 +78,8 @@ def measure(module, shape: dict, k: int, repeats: int, threads: int) -> list[dic
             row["ours"] = weights_per_forward / median_seconds(run_ours, repeats, CPU) / 1e9
         else:
             theirs = layer.forward(x, weights, ids)
-            ours_s, theirs_s, row["ratio"] = paired_seconds(run_ours, lambda: layer.forward(x, weights, ids), repeats)
+            ours_s, theirs_s, row["ratio"] = paired_seconds(run_ours, lambda: layer.forward(x, weights, ids), repeats,
+                                                            layer.release_caller)
             row["ours"] = weights_per_forward / ours_s / 1e9
             row["exllamav3"] = weights_per_forward / theirs_s / 1e9
             row["max_rel_diff"] = float((ours - theirs).abs().max() / theirs.abs().max())

@@ -127,6 +127,36 @@ def test_c_abi_submit_wait_matches_forward_and_refuses_a_second_job(extension) -
     assert torch.equal(out, kernel.forward(x, weights, ids))
 
 
+@pytest.mark.timeout(60, method="thread")  # a lost job hangs in C, where a signal cannot reach
+def test_two_layers_share_a_pool_while_a_job_is_in_flight(extension) -> None:
+    """Layer A's job runs on the pool's workers (C ABI: submitted, not waited on) while layer B's synchronous
+    forward, queued behind it on the same pool, is run by its own caller; both equal their references, the
+    workers then run another job of A's alone, and a job without tokens is done at once."""
+    ref_a, a, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), seed=1)
+    ref_b, b, _ = placed_moe(FULL, lambda layer: CpuMoE(layer, threads=2), seed=2)
+    submit_address, wait_address, _ = abi()
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Exl3MoeJob))
+    submit, wait = prototype(submit_address), prototype(wait_address)
+    x_a, weights_a, ids_a = routing(768, seed=3)
+    ids32 = ids_a.to(torch.int32).contiguous()
+    out_a = torch.full((768, HIDDEN), float("nan"))
+    job = Exl3MoeJob(a.handle, x_a.data_ptr(), HIDDEN, ids32.data_ptr(), weights_a.data_ptr(), 768, 2, 0,
+                     out_a.data_ptr(), HIDDEN)
+    assert submit(ctypes.byref(job)) == 0
+    x_b, weights_b, ids_b = routing(5, seed=4)
+    got_b = b.forward(x_b, weights_b, ids_b)
+    assert wait(ctypes.byref(job)) == 0 and job.state == 1
+    want_a = ref_a.forward(x_a, weights_a, ids_a, False)
+    assert_close_to_reference(out_a, want_a)
+    assert_close_to_reference(got_b, ref_b.forward(x_b, weights_b, ids_b, False))
+    # the workers take the next job (a job only they run would otherwise never end)
+    out_a.fill_(float("nan"))
+    assert submit(ctypes.byref(job)) == 0 and wait(ctypes.byref(job)) == 0
+    assert_close_to_reference(out_a, want_a)
+    empty = b.forward(x_b[:0], weights_b[:0], ids_b[:0])
+    assert empty.shape == (0, HIDDEN)
+
+
 def test_the_cpu_backend_builds_the_cpp_forward_without_a_cache(extension) -> None:
     """The oracle's cpu backend (the CPU engine's MoE layers) runs this kernel; with an expert cache it keeps the
     rotated glue, whose launcher writes experts through into their slots."""

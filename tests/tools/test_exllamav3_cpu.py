@@ -1,12 +1,15 @@
 """tools/exllamav3_cpu.py without the scratch build: the packed layout it hands exllamav3 (checked tile by tile
-against moe_mul1.h's index formula) and the reasons it gives when no build can be loaded."""
+against moe_mul1.h's index formula), the reasons it gives when no build can be loaded, and undoing the CPU affinity
+exllamav3 gives its caller."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from vllm_expert_offload.tools.exllamav3_cpu import ENV, exllamav3_from, packed_trellis
+from vllm_expert_offload.tools.exllamav3_cpu import ENV, Exllamav3Layer, exllamav3_from, packed_trellis
 
 
 @pytest.mark.parametrize("group,planar", [(0, 0), (8, 0), (2, 1)])
@@ -30,3 +33,25 @@ def test_exllamav3_from_names_why_it_is_absent(tmp_path, monkeypatch) -> None:
     assert exllamav3_from(missing) == (None, f"exllamav3 build {missing} does not exist")
     monkeypatch.setenv(ENV, str(missing))
     assert str(missing) in exllamav3_from(None)[1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to one CPU changes nothing on one CPU")
+def test_release_caller_restores_the_affinity_exllamav3_pinned() -> None:
+    """exllamav3's pool pins its calling thread to one core; the benchmark's other kernel must not inherit that."""
+    before = os.sched_getaffinity(0)
+
+    class Pinning:  # what moe_mul1.cpp's Pool::ensure does to worker 0, the caller
+        def forward(self, handle, x, ids, weights, out, threads) -> None:
+            os.sched_setaffinity(0, {min(before)})
+            out.fill_(1.0)
+
+    layer = object.__new__(Exllamav3Layer)
+    layer.module, layer.threads, layer.handle, layer.affinity = Pinning(), 2, 0, before
+    try:
+        out = layer.forward(torch.zeros(1, 4, dtype=torch.half), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+        assert torch.equal(out, torch.ones(1, 4))
+        assert os.sched_getaffinity(0) == {min(before)}  # as exllamav3 leaves it
+        layer.release_caller()
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)

@@ -276,7 +276,7 @@ std::shared_ptr<moe::Handle> exl3_moe_layer(const at::Tensor& trellis, const at:
   return handle;
 }
 
-// out = the layer's forward (exl3_moe.inc) through the C ABI, submit then wait, without the GIL.
+// out = the layer's forward (exl3_moe.inc), run by the calling thread with the pool, without the GIL.
 void exl3_moe_forward(moe::Handle& handle, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                       bool route_on_input, at::Tensor& out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weights.scalar_type() == at::kFloat,
@@ -300,7 +300,7 @@ void exl3_moe_forward(moe::Handle& handle, const at::Tensor& x, const at::Tensor
   job.route_on_input = route_on_input ? 1 : 0;
   job.out = out.data_ptr<float>();
   job.out_stride = out.stride(0);
-  if (exl3_moe_submit(&job) != 0 || exl3_moe_wait(&job) != 0) throw std::runtime_error(job.error);
+  if (moe::run_with_caller(&job) != 0) throw std::runtime_error(job.error);
 }
 
 // Test hook: out = a @ W_hat of one matrix through the tile routine the MoE forward uses, rows in blocks of

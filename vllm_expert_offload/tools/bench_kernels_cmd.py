@@ -118,6 +118,7 @@ def measure(shape: dict, repeats: int, exllamav3=None) -> dict:
         if theirs is not None:
             x16, weights16 = x.half(), weights.half()
             seconds["exllamav3"] = median_seconds(lambda: theirs.forward(x16, weights16, ids), repeats, CPU)
+            theirs.release_caller()  # the next shape's kernels run with this thread unpinned
         result[f"{tokens}_tokens"] = {f"{name}_gweights_s": weights_per_forward / s / 1e9 for name, s in seconds.items()}
     return result
 

@@ -82,6 +82,7 @@ class Exllamav3Layer:
 
     def __init__(self, module, sets: list[dict], k: int, threads: int) -> None:
         self.module, self.threads = module, threads
+        self.affinity = os.sched_getaffinity(0)
         group, planar = module.swizzle_group(float(k)), module.planar_layout(float(k))
         lists = []
         for p in PROJECTIONS:
@@ -92,9 +93,17 @@ class Exllamav3Layer:
         self.handle = module.make_layer(*lists, [], [], [], 0, 0.0, 1 if group else 0)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """exllamav3's forward as it runs: its pool runs the caller as worker 0 and pins it to the first core on
+        every call (in its own worker process that thread is its own); `release_caller` undoes that."""
         out = torch.empty(x.shape, dtype=torch.float32)
         self.module.forward(self.handle, x, ids, weights, out, self.threads)
         return out
+
+    def release_caller(self) -> None:
+        """The calling thread's CPU affinity as it was when this layer was made: called outside the timed region
+        after exllamav3's runs, so a kernel timed next in this process does not run with its caller pinned to one
+        core, and exllamav3's own runs are not charged for the unpinning."""
+        os.sched_setaffinity(0, self.affinity)
 
 
 def exllamav3_from(path: Path | str | None):
