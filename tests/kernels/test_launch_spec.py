@@ -44,7 +44,7 @@ def _echo_with_extra(x_ptr, stride_xm, hidden, size_n, gate_trellis, gate_twice_
     tl.store(out_ptr, gate_extra)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class _WithExtra(MatrixArgs):
     """MatrixArgs with one more field, as a change adding a per-matrix argument would make it."""
 
