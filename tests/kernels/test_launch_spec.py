@@ -162,3 +162,14 @@ def test_the_matmul_launcher_reads_the_table_field_for_field() -> None:
     assert [f.name for f in dataclasses.fields(triton_exl3.TableArgs)] == \
         [f.name for f in dataclasses.fields(MatrixTable)]
     assert triton_exl3.TableArgs.of(_table(5)).uniform_twice_k == 6
+
+
+def test_an_expand_making_too_few_kernel_arguments_is_refused() -> None:
+    """The generated kernel_kwargs unpacks each expand's values into its names: a count that differs raises."""
+    short = dataclasses.replace(INPUT_ROWS, expand=lambda x, _: (x, x.stride(0)))
+    spec = LaunchSpec("probe", _echo, {"x": short, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
+                      derived={"size_n": derived("size_n"), "fill": constexpr("FILL")})
+    args = LaunchArgs(x=torch.zeros(1, 48), gate=MatrixArgs.of(_table(1)), out=torch.zeros(1))
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        spec.kernel_kwargs(args, size_n=1, fill=False)
+    assert "k_x_ptr, k_stride_xm, k_hidden, = expand_0(args.x, args)" in spec.kernel_kwargs_source
