@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_expert_offload.errors import InvalidValueError
 from vllm_expert_offload.kernels import triton_dequantize, triton_exl3, triton_linear, triton_moe, triton_prefill
-from vllm_expert_offload.kernels.launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer
+from vllm_expert_offload.kernels.launch_spec import (LaunchArgs, LaunchSpec, arg, constexpr, derived, integer,
+                                                     pointer)
 from vllm_expert_offload.kernels.matrix_table import MatrixTable
 from vllm_expert_offload.kernels.triton_moe_steps import INPUT_ROWS, MatrixArgs, writes_through
 
@@ -78,6 +79,12 @@ def test_the_spec_and_the_kernel_must_name_the_same_arguments() -> None:
     with pytest.raises(InvalidValueError, match=r"runtime/constexpr mismatched \['FILL'\]"):
         LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
                    derived={"size_n": derived("size_n"), "fill": derived("FILL")})
+    with pytest.raises(InvalidValueError, match=r"argument 'n' has no schema type"):
+        LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64"),
+                                    "n": derived("size_n")}, derived={"fill": constexpr("FILL")})
+    with pytest.raises(InvalidValueError, match=r"derived 'size_n' has a schema type"):
+        LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
+                   derived={"size_n": integer("size_n"), "fill": constexpr("FILL")})
     with pytest.raises(InvalidValueError, match=r"made twice \['size_n'\]"):
         LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64"),
                                     "n": pointer("size_n", "i32", "int")},

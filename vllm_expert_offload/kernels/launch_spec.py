@@ -17,9 +17,9 @@ The spec is checked against the kernel's parameters when it is built: a paramete
 kernel argument the spec makes that the kernel lacks, is refused by name at import.
 
 A launch's host time is part of every forward vLLM runs eagerly (batches above its largest CUDA-graph size), so what
-each launch does is cheap: the spec writes its kernel arguments and its unflattening out as code once
-(`kernel_kwargs_source` shows it), and the structures are slotted dataclasses, built per launch (a frozen
-dataclass's __init__ costs four times as much).
+each launch does is cheap: the spec writes its flattening, unflattening and kernel arguments out as straight-line
+code once (`kernel_kwargs_source` shows the last), and the structures are slotted dataclasses, built per launch (a
+frozen dataclass's __init__ costs four times as much).
 """
 
 from __future__ import annotations
@@ -148,13 +148,12 @@ class LaunchSpec:
         self._leaves = [leaf for item, declared in self.args.items() for leaf in _leaves(item, declared)]
         self._derived = [leaf for item, declared in self.derived.items() for leaf in _leaves(item, declared)]
         self._check()
-        # Each launch's host work, written out once for this spec and compiled: what a launcher would spell by
-        # hand (a launch's host time is part of every eager forward; walking the leaves per launch tripled it).
+        # Each launch's host work, written out once for this spec and compiled: what a launcher would spell by hand.
         self._structures = [(item, declared) for item, declared in self.args.items() if not isinstance(declared, Arg)]
         reads = [f"values[{leaf.item!r}]" + ("" if leaf.field is None else f".{leaf.field}") for leaf in self._leaves]
         self._flat = _compiled(f"{op} flatten", "values", [f"return ({''.join(f'{r}, ' for r in reads)})"], {})
         self._make, self.kernel_kwargs_source = self._written_out()
-        self._unflatten_flat = self._unflatten_function()
+        self._unflatten = self._unflatten_function()
 
     def _written_out(self) -> tuple[Callable[[LaunchArgs, LaunchArgs], dict[str, Any]], str]:
         """kernel_kwargs's body for this spec, one statement per argument: `k_<name> = args.<item>.<field>`, or the
@@ -253,10 +252,6 @@ class LaunchSpec:
                 raise InvalidValueError(f"{self.op}: argument {item!r} must be a {declared.__name__}, got "
                                         f"{type(values[item]).__name__}")
         return self._flat(values)
-
-    def _unflatten(self, flat: tuple[Any, ...]) -> LaunchArgs:
-        return self._unflatten_flat(flat)
-
 
 def _same_names(what: str, declared: Mapping[str, Any], given: Mapping[str, Any]) -> None:
     """Refuses, by name, arguments `declared` that were not given and arguments given that are not declared."""
