@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_expert_offload.errors import InvalidValueError
 from vllm_expert_offload.kernels import triton_dequantize, triton_exl3, triton_linear, triton_moe, triton_prefill
-from vllm_expert_offload.kernels.launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer
+from vllm_expert_offload.kernels.launch_spec import (LaunchArgs, LaunchSpec, arg, constexpr, derived, integer,
+                                                     pointer)
 from vllm_expert_offload.kernels.matrix_table import MatrixTable
 from vllm_expert_offload.kernels.triton_moe_steps import INPUT_ROWS, MatrixArgs, writes_through
 
@@ -44,7 +45,7 @@ def _echo_with_extra(x_ptr, stride_xm, hidden, size_n, gate_trellis, gate_twice_
     tl.store(out_ptr, gate_extra)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class _WithExtra(MatrixArgs):
     """MatrixArgs with one more field, as a change adding a per-matrix argument would make it."""
 
@@ -78,6 +79,12 @@ def test_the_spec_and_the_kernel_must_name_the_same_arguments() -> None:
     with pytest.raises(InvalidValueError, match=r"runtime/constexpr mismatched \['FILL'\]"):
         LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
                    derived={"size_n": derived("size_n"), "fill": derived("FILL")})
+    with pytest.raises(InvalidValueError, match=r"argument 'n' has no schema type"):
+        LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64"),
+                                    "n": derived("size_n")}, derived={"fill": constexpr("FILL")})
+    with pytest.raises(InvalidValueError, match=r"derived 'size_n' has a schema type"):
+        LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
+                   derived={"size_n": integer("size_n"), "fill": constexpr("FILL")})
     with pytest.raises(InvalidValueError, match=r"made twice \['size_n'\]"):
         LaunchSpec("probe", _echo, {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64"),
                                     "n": pointer("size_n", "i32", "int")},
@@ -162,3 +169,14 @@ def test_the_matmul_launcher_reads_the_table_field_for_field() -> None:
     assert [f.name for f in dataclasses.fields(triton_exl3.TableArgs)] == \
         [f.name for f in dataclasses.fields(MatrixTable)]
     assert triton_exl3.TableArgs.of(_table(5)).uniform_twice_k == 6
+
+
+def test_an_expand_making_too_few_kernel_arguments_is_refused() -> None:
+    """The generated kernel_kwargs unpacks each expand's values into its names: a count that differs raises."""
+    short = dataclasses.replace(INPUT_ROWS, expand=lambda x, _: (x, x.stride(0)))
+    spec = LaunchSpec("probe", _echo, {"x": short, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64")},
+                      derived={"size_n": derived("size_n"), "fill": constexpr("FILL")})
+    args = LaunchArgs(x=torch.zeros(1, 48), gate=MatrixArgs.of(_table(1)), out=torch.zeros(1))
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        spec.kernel_kwargs(args, size_n=1, fill=False)
+    assert "k_x_ptr, k_stride_xm, k_hidden, = expand_0(args.x, args)" in spec.kernel_kwargs_source

@@ -5,8 +5,8 @@ A fused kernel takes some thirty runtime arguments and a dozen constexprs. Writt
 repeated in five places (the kernel, its launcher, the op's schema string, the call, the static report's signature)
 that had to agree by hand. Now:
 - the kernel (`@triton.jit`) declares its parameters: Triton binds arguments by name, but takes no structure;
-- a `LaunchSpec` lists the op's arguments by name, plain ones (`Arg`) and named structures (frozen dataclasses whose
-  fields are `arg(...)`: a projection's `MatrixArgs`, a layer's flags), each with its schema type and the kernel
+- a `LaunchSpec` lists the op's arguments by name, plain ones (`Arg`) and named structures (dataclasses whose fields
+  are `arg(...)`: a projection's `MatrixArgs`, a layer's flags), each with its schema type and the kernel
   arguments it becomes (runtime ones with their Triton types, constexprs by name); and the kernel arguments the
   launcher derives from shapes (`derived`), declared the same way;
 - `schema()` is the op's schema; `register(launch)` defines the op and returns a caller that takes exactly the spec's
@@ -15,6 +15,11 @@ that had to agree by hand. Now:
 - `signature(activation)` is the kernel's runtime signature for tools/static_kernels.py, in the kernel's order.
 The spec is checked against the kernel's parameters when it is built: a parameter the spec does not supply, or a
 kernel argument the spec makes that the kernel lacks, is refused by name at import.
+
+A launch's host time is part of every forward vLLM runs eagerly (batches above its largest CUDA-graph size), so what
+each launch does is cheap: the spec writes its flattening, unflattening and kernel arguments out as straight-line
+code once (`kernel_kwargs_source` shows the last), and the structures are slotted dataclasses, built per launch (a
+frozen dataclass's __init__ costs four times as much).
 """
 
 from __future__ import annotations
@@ -98,6 +103,18 @@ class _Leaf:
     def schema_name(self) -> str:
         return self.item if self.field is None else f"{self.item}_{self.field}"
 
+    @property
+    def path(self) -> str:
+        """Where its value is among the op's arguments: `<item>` or `<item>.<field>`."""
+        return self.item if self.field is None else f"{self.item}.{self.field}"
+
+
+def _compiled(name: str, parameters: str, lines: list[str], env: dict[str, Any]) -> Callable[..., Any]:
+    """A function of `parameters` whose body is `lines`, with `env` its globals (a spec's generated code)."""
+    source = f"def generated({parameters}):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(compile(source, f"<launch spec {name}>", "exec"), env)  # noqa: S102 (source made from the spec's names)
+    return env["generated"]
+
 
 def _leaves(item: str, declared: Arg | type) -> list[_Leaf]:
     if isinstance(declared, Arg):
@@ -131,6 +148,45 @@ class LaunchSpec:
         self._leaves = [leaf for item, declared in self.args.items() for leaf in _leaves(item, declared)]
         self._derived = [leaf for item, declared in self.derived.items() for leaf in _leaves(item, declared)]
         self._check()
+        # Each launch's host work, written out once for this spec and compiled: what a launcher would spell by hand.
+        self._structures = [(item, declared) for item, declared in self.args.items() if not isinstance(declared, Arg)]
+        reads = [f"values[{leaf.item!r}]" + ("" if leaf.field is None else f".{leaf.field}") for leaf in self._leaves]
+        self._flat = _compiled(f"{op} flatten", "values", [f"return ({''.join(f'{r}, ' for r in reads)})"], {})
+        self._make, self.kernel_kwargs_source = self._written_out()
+        self._unflatten = self._unflatten_function()
+
+    def _written_out(self) -> tuple[Callable[[LaunchArgs, LaunchArgs], dict[str, Any]], str]:
+        """kernel_kwargs's body for this spec, one statement per argument: `k_<name> = args.<item>.<field>`, or the
+        kernel arguments an expand makes unpacked from its call (a wrong count raises); then the dict by name."""
+        lines, names, env = [], [], {}
+        for owner, leaves in (("args", self._leaves), ("derived", self._derived)):
+            for leaf in leaves:
+                if not leaf.names:
+                    continue  # the launcher's alone (a grid size)
+                value = f"{owner}.{leaf.path}"
+                if leaf.arg.expand is None:
+                    lines.append(f"k_{leaf.names[0]} = {value}")
+                else:
+                    env[f"expand_{len(env)}"] = leaf.arg.expand
+                    scope = owner if leaf.field is None else f"{owner}.{leaf.item}"
+                    lines.append(f"{''.join(f'k_{n}, ' for n in leaf.names)}= expand_{len(env) - 1}({value}, {scope})")
+                names += leaf.names
+        lines.append(f"return {{{', '.join(f'{n!r}: k_{n}' for n in names)}}}")
+        return _compiled(f"{self.op} kernel_kwargs", "args, derived", lines, env), "\n".join(lines)
+
+    def _unflatten_function(self) -> Callable[..., LaunchArgs]:
+        """The op's flat arguments back into LaunchArgs, structures rebuilt, written out for this spec."""
+        parts, env, at = [], {"LaunchArgs": LaunchArgs}, 0
+        for item, declared in self.args.items():
+            if isinstance(declared, Arg):
+                parts.append(f"{item}=flat[{at}]")
+                at += 1
+            else:
+                env[f"structure_{item}"] = declared
+                width = len(dataclasses.fields(declared))
+                parts.append(f"{item}=structure_{item}(*flat[{at}:{at + width}])")
+                at += width
+        return _compiled(f"{self.op} unflatten", "flat", [f"return LaunchArgs({', '.join(parts)})"], env)
 
     def _check(self) -> None:
         """Refuses, by name, a schema-less argument of the op, a derived one with a schema, a kernel argument made
@@ -169,20 +225,9 @@ class LaunchSpec:
 
     def kernel_kwargs(self, args: LaunchArgs, **derived: Any) -> dict[str, Any]:
         """Every kernel argument by name, from the op's arguments and what the launcher derived."""
-        _same_names(f"{self.op} (derived)", self.derived, derived)
-        out: dict[str, Any] = {}
-        for leaves, owner in ((self._leaves, args), (self._derived, LaunchArgs(**derived))):
-            for leaf in leaves:
-                value = getattr(owner, leaf.item)
-                scope = owner if leaf.field is None else value
-                if leaf.field is not None:
-                    value = getattr(value, leaf.field)
-                if leaf.arg.expand is not None:
-                    made = leaf.arg.expand(value, scope)
-                else:
-                    made = (value,) if leaf.names else ()  # no kernel argument: the launcher's alone (a grid size)
-                out.update(zip(leaf.names, made, strict=True))
-        return out
+        if derived.keys() != self.derived.keys():
+            _same_names(f"{self.op} (derived)", self.derived, derived)
+        return self._make(args, LaunchArgs(**derived))
 
     def register(self, launch: Callable[[LaunchArgs], None]) -> Callable[..., None]:
         """Defines the op (kernels/launch_ops.py) running `launch(LaunchArgs)`; returns the caller, which takes the
@@ -199,28 +244,14 @@ class LaunchSpec:
         call.__name__ = self.op
         return call
 
-    def _flatten(self, values: Mapping[str, Any]) -> list[Any]:
-        _same_names(self.op, self.args, values)
-        for item, declared in self.args.items():
-            if not isinstance(declared, Arg) and not isinstance(values[item], declared):
+    def _flatten(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
+        if values.keys() != self.args.keys():
+            _same_names(self.op, self.args, values)
+        for item, declared in self._structures:
+            if not isinstance(values[item], declared):
                 raise InvalidValueError(f"{self.op}: argument {item!r} must be a {declared.__name__}, got "
                                         f"{type(values[item]).__name__}")
-        return [values[leaf.item] if leaf.field is None else getattr(values[leaf.item], leaf.field)
-                for leaf in self._leaves]
-
-    def _unflatten(self, flat: tuple[Any, ...]) -> LaunchArgs:
-        values: dict[str, Any] = {}
-        at = 0
-        for item, declared in self.args.items():
-            if isinstance(declared, Arg):
-                values[item] = flat[at]
-                at += 1
-            else:
-                width = len(dataclasses.fields(declared))
-                values[item] = declared(*flat[at : at + width])
-                at += width
-        return LaunchArgs(**values)
-
+        return self._flat(values)
 
 def _same_names(what: str, declared: Mapping[str, Any], given: Mapping[str, Any]) -> None:
     """Refuses, by name, arguments `declared` that were not given and arguments given that are not declared."""

@@ -101,7 +101,7 @@ def _exl3_matmul_grid(
                                block_k=BLOCK_K))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TableArgs:
     """A MatrixTable as `exl3_matmul_kernel` reads it: field for field (the op itself takes the MatrixTable, the
     contract's launcher argument, kernels/launch_ops.py's `register_table_launch`)."""

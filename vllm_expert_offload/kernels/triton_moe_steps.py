@@ -28,7 +28,7 @@ from .triton_decode import matrix_rate
 from .triton_fused import rotate
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MatrixArgs:
     """One projection's matrices as a launch passes them (read in the kernel by `matrix_facts`): the MatrixTable's
     device tables, its rate and codebook where uniform (compiled in; else read per matrix) and the expert cache's
@@ -56,7 +56,7 @@ def writes_through(*projections: MatrixArgs) -> bool:
     return filled.pop()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Flags:
     """What every MoE kernel of a forward is compiled for: the router weight on the input rather than the output,
     and fp16 tensor-core products (half-precision models) rather than exact fp32 ones."""

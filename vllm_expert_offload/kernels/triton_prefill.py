@@ -115,7 +115,7 @@ def grouped_down_kernel(
                       svh_down_ptr + matrix * size_n, DOT_FP16, route)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChunkBlocks:
     """One chunk's blocks of slots: the slots sorted into blocks of one expert (row ids, each block's expert), and
     the chunk's experts, `first` .. `first` + `chunk` - 1, whose blocks the GEMMs take."""
@@ -126,7 +126,7 @@ class ChunkBlocks:
     chunk: int = arg(integer("chunk"))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decoded:
     """A projection's decoded experts in the workspace: from the chunk's first expert's matrix on, one expert's
     matrices every `matrix_stride` elements."""
