@@ -156,3 +156,18 @@ def test_a_mask_that_does_not_cover_the_batch_is_refused(monkeypatch) -> None:
     _step(monkeypatch, None, [False, True])
     with pytest.raises(data_parallel.GatheredBatchError, match=r"is_padding covers 2 rows, .* is 3"):
         layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), torch.zeros((3, 2), dtype=torch.int64))
+
+
+def test_with_padding_skips_off_vllms_mask_is_not_read(monkeypatch) -> None:
+    """VLLM_MOE_SKIP_PADDING=0: vLLM's V2 runner stops filling is_padding for real steps (it still holds the last
+    dummy batch's all-True rows) and its routers ignore it; so must the forward, or it drops real rows."""
+    import vllm.envs
+
+    layer, counts = _engine_layer(dp_size=1, dp_rank=0)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    _step(monkeypatch, None, [True, True])  # stale: a dummy batch's mask
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
+    monkeypatch.setattr(vllm.envs, "VLLM_MOE_SKIP_PADDING", False, raising=False)
+    layer.forward(torch.zeros(2, 4), torch.full((2, 2), 0.5), ids)
+    assert layer.kernel.calls[-1][1].tolist() == ids.tolist()
+    assert counts.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]

@@ -21,7 +21,7 @@ EXPERT_MAP = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32)  # EP
 
 
 def _parallel(**changes) -> SimpleNamespace:
-    return SimpleNamespace(**({"use_ep": True, "tp_size": 1, "ep_rank": 1, "ep_size": 2} | changes))
+    return SimpleNamespace(**({"use_ep": True, "tp_size": 1, "ep_rank": 1, "ep_size": 2, "pcp_size": 1} | changes))
 
 
 def test_rank_experts_follow_vllms_expert_map() -> None:
@@ -35,6 +35,13 @@ def test_expert_parallelism_with_split_experts_is_refused_by_name() -> None:
     with pytest.raises(Exl3FormatError, match=r"model\.layers\.0\.mlp\.experts: --enable-expert-parallel with an MoE "
                                               r"tensor-parallel size of 2 would split each EXL3 expert"):
         _rank_experts(layer, _parallel(tp_size=2))
+
+
+def test_prefill_context_parallelism_is_refused_by_its_flag() -> None:
+    layer = SimpleNamespace(layer_name="model.layers.3.mlp.experts", expert_map=None)
+    with pytest.raises(Exl3FormatError, match=r"model\.layers\.3\.mlp\.experts: --prefill-context-parallel-size 2 "
+                                              r"is not supported"):
+        _rank_experts(layer, _parallel(use_ep=False, pcp_size=2))
 
 
 def _runtime():

@@ -192,6 +192,7 @@ register_plugin()
 vllm_hooks.install_profile_flag()
 vllm_hooks.install_crash_line(0.03, [1])
 vllm_hooks.ENGRAM.install({})
+vllm_hooks.install_replay_padding()
 after = snapshot()
 owners = {key.rpartition(".")[0] for key in before}
 changed = [k for k, (ident, is_module) in after.items()

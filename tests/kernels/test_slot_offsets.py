@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_expert_offload.kernels import triton_moe, triton_prefill
+from vllm_expert_offload.kernels.triton_moe_steps import Flags, MatrixArgs
 
 from support.moe_layers import FULL, INTERMEDIATE, placed_moe
 
@@ -37,7 +38,7 @@ def test_sum_reads_slots_past_two_to_the_31_floats() -> None:
     y[0, 2, :256] = torch.arange(1, 257, dtype=torch.float32)
     flat[:256] = -7.0  # where the wrapped offset reads
     out = torch.full((3, 256), float("nan"))
-    triton_moe._launch_sum(y, torch.zeros((3, 1), dtype=torch.int64), out)
+    triton_moe._sum(y=y, ids=torch.zeros((3, 1), dtype=torch.int64), out=out)
     assert torch.equal(out[2], torch.arange(1, 257, dtype=torch.float32))
     assert (out[:2] == 0).all()
 
@@ -62,21 +63,23 @@ def _route(row: int, slots: int) -> torch.Tensor:
 def _fused_down(fused, partial: torch.Tensor, row: int, out: torch.Tensor) -> None:
     """One block of the fused down kernel (expert 3, a mixed table) holding slot `row` alone, its input finished."""
     slots = out.shape[1]
-    down = fused.tables["down"]
-    triton_moe._launch_down(partial, _route(row, slots), sparse_zeros((slots, 1), torch.int64),
-                            _block(row, triton_moe.BLOCK_M), torch.tensor([3], dtype=torch.int32), None,
-                            fused.scales[("down", "suh")], fused.scales[("down", "svh")], down.trellis, down.twice_k,
-                            down.codebook, None, out, None, down.uniform_twice_k, down.uniform_codebook, False, False,
-                            False)
+    routing = triton_moe.Routing(_route(row, slots), sparse_zeros((slots, 1), torch.int64),
+                                 _block(row, triton_moe.BLOCK_M), torch.tensor([3], dtype=torch.int32))
+    triton_moe._down(partial=partial, routing=routing, keep=None, suh_down=fused.scales[("down", "suh")],
+                     svh_down=fused.scales[("down", "svh")], down=MatrixArgs.of(fused.tables["down"]), out=out,
+                     swiglu_limit=None, dedup=False, flags=Flags(route_on_input=False, dot_fp16=False))
 
 
 def _prefill_down(fused, partial: torch.Tensor, row: int, out: torch.Tensor) -> None:
     """One block of the dequantized prefill's down GEMM holding slot `row` alone, over a random dequantized expert."""
     hidden = out.shape[-1]
     w = torch.randn(INTERMEDIATE * hidden, generator=torch.Generator().manual_seed(7))
-    triton_prefill._launch_down(partial, _route(row, out.shape[1]), _block(row, triton_prefill.GEMM_BLOCK_M),
-                                torch.tensor([0], dtype=torch.int32), 0, 1, w, w.numel(),
-                                torch.ones((1, hidden), dtype=torch.float16), out[0], False, False)
+    blocks = triton_prefill.ChunkBlocks(_block(row, triton_prefill.GEMM_BLOCK_M), torch.tensor([0], dtype=torch.int32),
+                                        0, 1)
+    triton_prefill._down(partial=partial, route=_route(row, out.shape[1]), blocks=blocks,
+                         decoded=triton_prefill.Decoded(w, w.numel()),
+                         svh_down=torch.ones((1, hidden), dtype=torch.float16), out=out[0],
+                         flags=Flags(route_on_input=False, dot_fp16=False))
 
 
 @pytest.mark.parametrize("down", [_fused_down, _prefill_down], ids=["fused", "prefill"])

@@ -243,7 +243,8 @@ def test_each_chunk_takes_only_its_own_experts(monkeypatch: pytest.MonkeyPatch) 
     _poison_workspaces(monkeypatch, "moe_out", "moe_partial")
     for name in ("_gate_up", "_down"):
         launch = getattr(triton_prefill, name)
-        monkeypatch.setattr(triton_prefill, name, lambda *args, launch=launch: launch(*args) if args[4] == 0 else None)
+        monkeypatch.setattr(triton_prefill, name,
+                            lambda launch=launch, **args: launch(**args) if args["blocks"].first == 0 else None)
     got = fused.forward(x, weights, ids, False)
     counts = torch.bincount(ids.reshape(-1), minlength=len(TIERS))
     later = ((counts[ids] >= DENSE["dequant_min_rows"]) & (ids >= fused.prefill.chunk)).any(dim=1)
@@ -522,8 +523,8 @@ def test_fused_forwards_run_with_every_tensor_on_meta(tokens: int, prefill: dict
 def test_meta_proof_rejects_a_host_sync_planted_in_the_fused_forwards(monkeypatch: pytest.MonkeyPatch,
                                                                        pattern: str) -> None:
     moe, linear = _meta_fused()
-    monkeypatch.setattr(triton_moe, "_gate_up", planted(triton_moe._gate_up, BAD_PATTERNS[pattern], argument=2))
-    monkeypatch.setattr(triton_linear, "_linear", planted(triton_linear._linear, BAD_PATTERNS[pattern]))
+    monkeypatch.setattr(triton_moe, "_gate_up", planted(triton_moe._gate_up, BAD_PATTERNS[pattern], argument="x"))
+    monkeypatch.setattr(triton_linear, "_linear", planted(triton_linear._linear, BAD_PATTERNS[pattern], argument="x"))
     x, weights, ids = meta_routing(3, 2, HIDDEN)
     with pytest.raises(HOST_SYNC_ON_META, match="(?i)meta"):
         moe.forward(x, weights, ids, False)

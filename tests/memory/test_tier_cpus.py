@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_expert_offload.memory.tier_cpus import TierCpusError, tier_cpus
+from vllm_expert_offload.memory.tier_cpus import TierCpusError, node_share, tier_cpus
 
 USABLE = range(16)
 NODE1 = range(8, 16)
@@ -45,3 +45,29 @@ def test_explicit_cpus_are_kept_even_when_the_engine_uses_them_but_must_be_usabl
 def test_more_threads_than_cpus_refused_by_name():
     with pytest.raises(TierCpusError, match=r"cpu_tier\.threads: 3 threads on the 2 CPUs 10-11"):
         tier_cpus(None, 3, USABLE, (10, 11), engine_bound=())
+
+
+def test_auto_leaves_reserved_cores_unpinned_before_the_split():
+    # a GPU box: node 1 is CPUs 8-15, two ranks there; 3 cores stay for the ranks' Python/callback threads and
+    # the engine core, the other 5 are split 2 / 3
+    assert tier_cpus(None, None, range(16), NODE1, (), share=(0, 2), reserve=3).cpus == (11, 12)
+    assert tier_cpus(None, None, range(16), NODE1, (), share=(1, 2), reserve=3).cpus == (13, 14, 15)
+    with pytest.raises(TierCpusError, match=r"8 are left to unpinned threads"):
+        tier_cpus(None, None, range(16), NODE1, (), reserve=8)
+
+
+def test_an_explicit_list_is_split_among_the_hosts_ranks_and_each_must_get_one():
+    assert tier_cpus((2, 3, 4, 5, 6), None, range(8), (), (), share=(1, 2)).cpus == (4, 5, 6)
+    assert tier_cpus((2, 3, 4, 5, 6), None, range(8), (), (), share=(0, 2)).cpus == (2, 3)
+    with pytest.raises(TierCpusError, match=r"cpu_tier\.cpus: 2 is split among the 2 ranks .* leaves rank 0 no"):
+        tier_cpus((2,), None, range(8), (), (), share=(0, 2))
+
+
+@pytest.mark.parametrize("index, nodes, want", [
+    (1, [0, 1], (0, 1)),            # TP 2 across two sockets: each rank has its node to itself
+    (2, [0, 0, 1, 1], (0, 2)),
+    (3, [0, 0, 1, 1], (1, 2)),
+    (2, [None, 0, None], (1, 2)),   # unknown nodes count as one node
+])
+def test_node_share_counts_only_the_ranks_on_the_same_node(index, nodes, want):
+    assert node_share(index, nodes) == want

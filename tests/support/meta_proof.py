@@ -94,11 +94,12 @@ BAD_PATTERNS: dict[str, Callable[[torch.Tensor], object]] = {
 }
 
 
-def planted(function: Callable, pattern: Callable[[torch.Tensor], object], argument: int = 0) -> Callable:
-    """`function` with `pattern` applied first to its positional argument `argument` (a glue tensor)."""
+def planted(function: Callable, pattern: Callable[[torch.Tensor], object], argument: int | str = 0) -> Callable:
+    """`function` with `pattern` applied first to its argument `argument` (a glue tensor): positional by index, or
+    by keyword."""
 
     def with_pattern(*args, **kwargs):
-        pattern(args[argument])
+        pattern(kwargs[argument] if isinstance(argument, str) else args[argument])
         return function(*args, **kwargs)
 
     return with_pattern

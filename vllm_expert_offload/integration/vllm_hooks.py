@@ -5,7 +5,8 @@ themselves live beside the code they serve; `surface()` lists the lot (`docs/arc
 
 When each is installed:
 - in every vLLM process, by `register()` (integration/plugin.py): `install_in_every_process`;
-- at the first EXL3 MoE layer built (a worker): `install_profile_flag`, `install_crash_line` (CUDA);
+- at the first EXL3 MoE layer built (a worker): `install_profile_flag`, `install_crash_line` (CUDA),
+  `install_replay_padding` (CUDA, DeepSeek-V4.1);
 - while `vllm serve` serves with record_stats: `SERVING_SHUTDOWN.applied` on the serving client (stats_saver.py);
 - while `check-kv --gpu-arch` plans: `EMULATED_CAPABILITY.applied` on the platform class (tools/gpu_arch.py);
 - while the checkpoint is validated, for a pack with MXINT-4 engram tables: `install_engram`;
@@ -16,13 +17,14 @@ When each is installed:
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..exl3.engram import EngramFormat, EngramTable
 from .kv import declarations
 from .kv import fix as kv_fix
-from .methods import decoded_at_load, engram_int4
+from .methods import decoded_at_load, engram_int4, replay_padding
 from .patching import Addition, ClassHook, Hook, HookError, InstancePatch, require_checked_version
 from .startup import crash_line, engine_hooks, failed_load, profiling, stats_saver, worker_rpc
 from .versions import VERIFIED_VLLM
@@ -83,6 +85,11 @@ PROFILE_RUN = tuple(
 CRASH_LINE = Hook("vllm.v1.worker.gpu_worker", "Worker.initialize_from_config", ("self", "kv_cache_config"),
                   crash_line.wrap_initialize_from_config, loaded_only=True)
 
+# DeepSeek-V4.1's replay batch gets a padding mask (methods/replay_padding.py), on CUDA where vLLM replays it.
+REPLAY_PADDING = Hook("vllm.models.deepseek_v41.nvidia.model_state", "DeepseekV41ModelState._prepare_replay_batch",
+                      ("self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups",
+                       "kv_cache_config", "replay_start", "capture_desc"), replay_padding.wrap_prepare_replay_batch)
+
 # --- for the checkpoint or the attention backends met at run time -------------------------------------------------
 
 ENGRAM = Hook(engram_int4.ENGRAM, "Engram._create_embedding", ("self", "layout", "layer_hash_index"),
@@ -111,6 +118,7 @@ def surface() -> list[Contact]:
         (EMULATED_CAPABILITY, "while check-kv --gpu-arch plans (the running platform class only)"),
         *((hook, "first EXL3 MoE layer") for hook in PROFILE_RUN),
         (CRASH_LINE, "first EXL3 MoE layer, CUDA"),
+        (REPLAY_PADDING, "first EXL3 MoE layer of a DeepSeek-V4.1 model, CUDA"),
         (ENGRAM, "a pack with MXINT-4 engram tables"), (KERNEL_PAGES, "a KV spec meets such a backend"),
     ]
     rows = [Contact(item.target, item.kind, VERIFIED_VLLM, when) for item, when in declared]
@@ -169,6 +177,15 @@ def install_crash_line(min_free_fraction: float, gpu_expert_sizes: list[int]) ->
     worker loaded or the hook is in already."""
     require_checked_version("the crash-line hook")
     return CRASH_LINE.install(min_free_fraction, gpu_expert_sizes)
+
+
+def install_replay_padding() -> bool:
+    """The replay batch's padding mask, where this process builds a DeepSeek-V4.1 model (its package is loaded by
+    the time its first MoE layer is built); False otherwise or when installed already."""
+    if "vllm.models.deepseek_v41" not in sys.modules:
+        return False
+    require_checked_version("the DeepSeek-V4.1 replay padding hook")
+    return REPLAY_PADDING.install()
 
 
 def install_engram(tables: Mapping[int, EngramTable]) -> bool:

@@ -9,15 +9,11 @@ the kernel; on `meta`, and under fake tensors, it does nothing, because a launch
 glue has already allocated, in shapes the glue chose. (The layer's whole forward is a further op, kernels/ops.py:
 that one is what torch.compile sees.)
 
-How a launch registers itself, once, where its module defines it:
-
-    _kernel = register_launch("exl3_fused_gate_up_triton",
-                              "Tensor a, Tensor table, int size_n, Tensor(a!) gate, Tensor(b!) up", launch)
-
-`arguments` is the op's schema argument list; every tensor the kernel writes is marked `Tensor(a!)`,
-`Tensor(b!)`, ... and the op returns nothing. Call the returned op exactly like `launch`, with positional
-arguments. `register_table_launch` does this for launchers of the `MatmulBackend.launch` contract (rotated.py),
-whose MatrixTable it passes field by field. Tools that count a forward's device ops (the launch census) find
+How a launch registers itself, once, where its module defines it: a Triton launch through its `LaunchSpec`
+(launch_spec.py), which generates the schema argument list `register_launch` takes and calls the op by keyword;
+`register_table_launch` for launchers of the `MatmulBackend.launch` contract (rotated.py), whose MatrixTable it
+passes field by field. In a schema every tensor the kernel writes is marked `Tensor(a!)`, `Tensor(b!)`, ... and
+the op returns nothing. Tools that count a forward's device ops (the launch census) find
 every launch op's qualified name in `LAUNCH_OPS`.
 """
 

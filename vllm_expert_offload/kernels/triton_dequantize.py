@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_ops import register_launch
+from .launch_spec import Arg, LaunchArgs, LaunchSpec, constexpr, derived, integer, pointer
 from .matrix_table import CODEBOOK_IDS_BY_NAME, MatrixTable
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import COMPILED, decode_block
 from .triton_fused import HALF, MATMUL_WARPS, PIECE, hadamard_signs, write_through
-from .triton_moe_steps import matrix_facts
+from .triton_moe_steps import MatrixArgs, matrix_facts, writes_through
 
 DEQUANT_MIN_ROWS = 144  # rows of one matrix from which it is decoded once (exllamav3's dequantize threshold)
 DEQUANT_WORKSPACE_BYTES = 512 << 20  # the decoded matrices' workspace, shared by every layer of a device
@@ -91,9 +91,10 @@ def store_folded(lo, hi, piece, out_stride, SPLIT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["first"])  # a chunk's first expert: one variant for every chunk
 def dequantize_kernel(
-    trellis_table, twice_k_table, codebook_table, fill_table, counts_ptr, min_rows, first, num_matrices, size_k, size_n,
+    table_trellis, table_twice_k, table_codebook, table_fill, counts_ptr, min_rows, first, num_matrices, size_k, size_n,
     n_first, out_ptr, matrix_stride, out_stride,
-    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr, FILL: tl.constexpr,
+    TWICE_K_TABLE: tl.constexpr, CODEBOOK_TABLE: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """out[slot, k, n - n_first] (row stride `out_stride`) for n in the program's piece n_first + 128·j, of matrix
     `first` + slot (program (slot, j)) where that matrix has at least `min_rows` rows (see the module docstring)."""
@@ -101,16 +102,18 @@ def dequantize_kernel(
     matrix = first + slot
     if matrix < num_matrices:
         if tl.load(counts_ptr + matrix) >= min_rows:
-            trellis, twice_k, codebook, fill = matrix_facts(trellis_table, twice_k_table, codebook_table, fill_table,
-                                                            matrix, TWICE_K, CODEBOOK, FILL)
+            trellis, twice_k, codebook, fill = matrix_facts(table_trellis, table_twice_k, table_codebook, table_fill,
+                                                            matrix, TWICE_K_TABLE, CODEBOOK_TABLE, FILL)
             n0 = n_first + tl.program_id(1) * _PIECE
             dst = out_ptr + slot.to(tl.int64) * matrix_stride
             for k0 in range(0, size_k, _PIECE):
                 if FILL:
                     if fill != 0:
                         write_through(trellis, fill, k0, n0, size_n, twice_k)
-                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K, CODEBOOK)
-                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K, CODEBOOK)
+                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K_TABLE,
+                                  CODEBOOK_TABLE)
+                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K_TABLE,
+                                  CODEBOOK_TABLE)
                 piece = dst + k0 * out_stride + n0 - n_first
                 if FOLD:
                     store_folded(lo, hi, piece, out_stride, SPLIT)
@@ -135,24 +138,23 @@ def split_fold(device: torch.device) -> bool:
     return split_fold_for(10 * major + minor)
 
 
-def _launch(trellis, twice_k, codebook, fill, counts, min_rows, first, chunk, fold, split, out, offset, matrix_stride,
-            size_k, size_n, n_first, columns, uniform_twice_k, uniform_codebook):
-    with_fill = fill is not None
-    dequantize_kernel[(chunk, columns // PIECE)](
-        trellis, twice_k, codebook, fill if with_fill else trellis, counts, min_rows, first, trellis.shape[0],
-        size_k, size_n, n_first, out[offset:], matrix_stride, columns,
-        TWICE_K=uniform_twice_k, CODEBOOK=uniform_codebook, FOLD=fold, SPLIT=split, FILL=with_fill,
+def _launch(args: LaunchArgs) -> None:
+    dequantize_kernel[(args.chunk, args.columns // PIECE)](
+        **SPEC.kernel_kwargs(args, num_matrices=args.table.trellis.shape[0], fill=writes_through(args.table)),
         num_warps=MATMUL_WARPS,
     )
 
 
-_dequantize = register_launch(
-    "dequantize_triton",
-    "Tensor trellis, Tensor twice_k, Tensor codebook, Tensor? fill, Tensor counts, int min_rows, int first, "
-    "int chunk, bool fold, bool split, Tensor(a!) out, int offset, int matrix_stride, int size_k, int size_n, "
-    "int n_first, int columns, int uniform_twice_k, int uniform_codebook",
-    _launch,
-)
+SPEC = LaunchSpec("dequantize_triton", dequantize_kernel, {
+    "table": MatrixArgs, "counts": pointer("counts_ptr", "*i64"), "min_rows": integer("min_rows"),
+    "first": integer("first"), "chunk": Arg("int"), "fold": constexpr("FOLD", "bool"),
+    "split": constexpr("SPLIT", "bool"),
+    "out": Arg("Tensor(a!)", {"out_ptr": "*fp16"}, expand=lambda out, args: (out[args.offset:],)),
+    "offset": Arg("int"), "matrix_stride": integer("matrix_stride"), "size_k": integer("size_k"),
+    "size_n": integer("size_n"), "n_first": integer("n_first"),
+    "columns": Arg("int", {"out_stride": "i32"}),  # the stored rows' stride: a chunk of columns is stored dense
+}, derived={"num_matrices": derived("num_matrices"), "fill": constexpr("FILL")})
+_dequantize = SPEC.register(_launch)
 
 
 def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, min_rows: int, first: int = 0,
@@ -165,10 +167,10 @@ def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, m
     rather than W_hat (module docstring), in the split form or not (`store_folded`; by default `out`'s device's; a
     plain launch is one variant everywhere)."""
     split = fold and (split_fold(out.device) if split is None else split)
-    _dequantize(table.trellis, table.twice_k, table.codebook, fill, counts, min_rows, first, chunk, fold, split, out,
-                offset, matrix_stride, table.in_features, table.out_features, n_first,
-                table.out_features - n_first if columns is None else columns, table.uniform_twice_k,
-                table.uniform_codebook)
+    _dequantize(table=MatrixArgs.of(table, fill), counts=counts, min_rows=min_rows, first=first, chunk=chunk,
+                fold=fold, split=split, out=out, offset=offset, matrix_stride=matrix_stride,
+                size_k=table.in_features, size_n=table.out_features, n_first=n_first,
+                columns=table.out_features - n_first if columns is None else columns)
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
@@ -177,15 +179,12 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     Aligned at every launch: the sides (multiples of 128, as EXL3 requires), the output (the workspace's start,
     plus offsets and strides of whole matrices) and the column offset and count (whole 128-wide pieces)."""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
-    signature = {"trellis_table": "*i64", "twice_k_table": "*i32", "codebook_table": "*i32", "fill_table": "*i64",
-                 "counts_ptr": "*i64", "min_rows": "i32", "first": "i32", "num_matrices": "i32",
-                 "size_k": "i32", "size_n": "i32", "n_first": "i32", "out_ptr": "*fp16",
-                 "matrix_stride": "i32", "out_stride": "i32"}
     forms = (("folded", True, True), ("folded", True, False), ("plain", False, False))
     return [
-        StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, signature,
-                     dict(TWICE_K=int(2 * shape.k_bits), CODEBOOK=codebook, FOLD=fold, SPLIT=split, FILL=False),
-                     MATMUL_WARPS, 3, PIECE * PIECE, trellis_arg="trellis_table",
+        StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, SPEC.signature(),
+                     dict(TWICE_K_TABLE=int(2 * shape.k_bits), CODEBOOK_TABLE=codebook, FOLD=fold, SPLIT=split,
+                          FILL=False),
+                     MATMUL_WARPS, 3, PIECE * PIECE, trellis_arg="table_trellis",
                      aligned=("size_k", "size_n", "out_ptr", "matrix_stride", "out_stride", "n_first"),
                      launched_on=None if not fold else functools.partial(_launches_split, split))
         for label, fold, split in forms

@@ -18,7 +18,9 @@ Decoding is `triton_decode.decode_block` (bit-exact W_hat, exl3-format.md §2.3-
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,6 +29,7 @@ import triton.language as tl
 from ..errors import InvalidValueError
 from .contract import Backend
 from .launch_ops import register_table_launch
+from .launch_spec import ACTIVATION, Arg, LaunchArgs, LaunchSpec, arg, constexpr, pointer, strided
 from .matrix_table import CODEBOOK_IDS, MatrixTable, present_key
 from .rotated import MatmulBackend
 from .static_spec import LayerShape, StaticKernel
@@ -92,25 +95,40 @@ def launch_exl3_matmul(
 def _exl3_matmul_grid(
     a: torch.Tensor, row_ids: torch.Tensor, block_matrix: torch.Tensor, table: MatrixTable, out: torch.Tensor
 ) -> None:
-    grid = (block_matrix.shape[0], table.out_features // BLOCK_N)
-    exl3_matmul_kernel[grid](
-        a, a.stride(0), out, out.stride(0), row_ids, block_matrix,
-        table.trellis, table.twice_k, table.codebook, table.in_features, table.out_features,
-        CODEBOOK=table.uniform_codebook, TWICE_K=table.uniform_twice_k, DOT_FP16=a.dtype == torch.float16,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )
+    args = LaunchArgs(a=a, row_ids=row_ids, block_matrix=block_matrix, table=TableArgs.of(table), out=out)
+    exl3_matmul_kernel[(block_matrix.shape[0], table.out_features // BLOCK_N)](
+        **MATMUL.kernel_kwargs(args, dot_fp16=a.dtype == torch.float16, block_m=BLOCK_M, block_n=BLOCK_N,
+                               block_k=BLOCK_K))
 
 
+@dataclass(frozen=True)
+class TableArgs:
+    """A MatrixTable as `exl3_matmul_kernel` reads it: field for field (the op itself takes the MatrixTable, the
+    contract's launcher argument, kernels/launch_ops.py's `register_table_launch`)."""
+
+    trellis: torch.Tensor = arg(pointer("trellis_table_ptr", "*i64"))
+    twice_k: torch.Tensor = arg(pointer("twice_k_table_ptr", "*i32"))
+    codebook: torch.Tensor = arg(pointer("codebook_table_ptr", "*i32"))
+    uniform_codebook: int = arg(constexpr("CODEBOOK", "int"))
+    in_features: int = arg(Arg("int", {"size_k": "i32"}))
+    out_features: int = arg(Arg("int", {"size_n": "i32"}))
+    uniform_twice_k: int = arg(constexpr("TWICE_K", "int"))
+
+    @classmethod
+    def of(cls, table: MatrixTable) -> TableArgs:
+        return cls(*(getattr(table, f.name) for f in dataclasses.fields(cls)))
+
+
+# The kernel's arguments and static signature; the op is the table launch's (`_launch_kernel` below).
+MATMUL = LaunchSpec("exl3_matmul_triton", exl3_matmul_kernel, {
+    "a": strided("a_ptr", ACTIVATION, ("stride_am",)), "row_ids": pointer("row_ids_ptr", "*i32"),
+    "block_matrix": pointer("block_matrix_ptr", "*i32"), "table": TableArgs,
+    "out": strided("c_ptr", "*fp32", ("stride_cm",), "Tensor(a!)"),
+}, derived={"dot_fp16": constexpr("DOT_FP16"), "block_m": constexpr("BLOCK_M"), "block_n": constexpr("BLOCK_N"),
+            "block_k": constexpr("BLOCK_K")})
 # The kernel launch alone is an op (launch_ops.py): the checks above stay in the glue, which the no-sync proof
 # runs on the meta device.
 _launch_kernel = register_table_launch("exl3_matmul_triton", _exl3_matmul_grid)
-
-
-_SIGNATURE = {
-    "a_ptr": "*fp16", "stride_am": "i32", "c_ptr": "*fp32", "stride_cm": "i32", "row_ids_ptr": "*i32",
-    "block_matrix_ptr": "*i32", "trellis_table_ptr": "*i64", "twice_k_table_ptr": "*i32", "codebook_table_ptr": "*i32",
-    "size_k": "i32", "size_n": "i32",
-}
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
@@ -125,7 +143,7 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     variants += [(f"{name},mixed-k,fp16", codebooks[name], mixed_k, "fp16") for name in ("mul1", "mixed")]
     return [
         StaticKernel(
-            name=f"exl3_matmul[{label}]", fn=exl3_matmul_kernel, signature=_SIGNATURE | {"a_ptr": f"*{dtype}"},
+            name=f"exl3_matmul[{label}]", fn=exl3_matmul_kernel, signature=MATMUL.signature(f"*{dtype}"),
             constexprs={"CODEBOOK": cid, "TWICE_K": twice_k, "DOT_FP16": dtype == "fp16", "BLOCK_M": BLOCK_M,
                         "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
             num_warps=4, num_stages=3, weights_per_iteration=BLOCK_K * BLOCK_N, dtype=dtype,

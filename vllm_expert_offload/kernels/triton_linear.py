@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..exl3.hadamard import hadamard_128, hadamard_last
 from .contract import LinearLayer
-from .launch_ops import register_launch
+from .launch_spec import ACTIVATION, Arg, LaunchArgs, LaunchSpec, constexpr, pointer, strided
 from .linear import LinearShard
 from .matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME, matrix_table, own_addresses, present_key
 from .static_spec import LayerShape, StaticKernel
@@ -127,28 +127,38 @@ def linear_finish_kernel(partial_ptr, parts, rows, partial_cols, source_ptr, out
     tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_linear(x, pieces, suh, svh, out, partial, twice_k, codebook, block_m, dot_fp16):
-    rows, parts, partial_cols = x.shape[0], partial.shape[0], partial.shape[2]
-    linear_kernel[(triton.cdiv(rows, block_m), pieces.shape[0], parts)](
-        x, x.stride(0), rows, pieces, suh, svh, out, out.stride(0), partial, partial_cols,
-        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, BLOCK_M=block_m, DIRECT=parts == 1,
-        num_warps=MATMUL_WARPS,
-    )
+def _launch_linear(args: LaunchArgs) -> None:
+    parts = args.partial.shape[0]
+    linear_kernel[(triton.cdiv(args.x.shape[0], args.block_m), args.pieces.shape[0], parts)](
+        **LINEAR.kernel_kwargs(args, direct=parts == 1), num_warps=MATMUL_WARPS)
 
 
-def _launch_finish(partial, source, out):
-    parts, rows, partial_cols = partial.shape
-    linear_finish_kernel[(rows, triton.cdiv(out.shape[1], FINISH_BLOCK))](
-        partial, parts, rows, partial_cols, source, out, out.stride(0), out.shape[1], BLOCK=FINISH_BLOCK)
+def _launch_finish(args: LaunchArgs) -> None:
+    rows, out_features = args.partial.shape[1], args.out.shape[1]
+    linear_finish_kernel[(rows, triton.cdiv(out_features, FINISH_BLOCK))](
+        **FINISH.kernel_kwargs(args, block=FINISH_BLOCK))
 
 
-_linear = register_launch(
-    "linear_triton",
-    "Tensor x, Tensor pieces, Tensor suh, Tensor svh, Tensor(a!) out, Tensor(b!) partial, int twice_k, "
-    "int codebook, int block_m, bool dot_fp16",
-    _launch_linear,
-)
-_finish = register_launch("linear_finish_triton", "Tensor partial, Tensor source, Tensor(a!) out", _launch_finish)
+_OUT = strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)")
+LINEAR = LaunchSpec("linear_triton", linear_kernel, {
+    "x": Arg("Tensor", {"x_ptr": ACTIVATION, "stride_xm": "i32", "rows": "i32"},
+             expand=lambda x, _: (x, x.stride(0), x.shape[0])),
+    "pieces": pointer("pieces_ptr", "*i64"), "suh": pointer("suh_ptr", "*fp16"), "svh": pointer("svh_ptr", "*fp16"),
+    "out": _OUT,
+    "partial": Arg("Tensor(b!)", {"partial_ptr": "*fp32", "partial_cols": "i32"},
+                   expand=lambda partial, _: (partial, partial.shape[2])),
+    "twice_k": constexpr("TWICE_K", "int"), "codebook": constexpr("CODEBOOK", "int"),
+    "block_m": constexpr("BLOCK_M", "int"), "dot_fp16": constexpr("DOT_FP16", "bool"),
+}, derived={"direct": constexpr("DIRECT")})
+FINISH = LaunchSpec("linear_finish_triton", linear_finish_kernel, {
+    "partial": Arg("Tensor", {"partial_ptr": "*fp32", "parts": "i32", "rows": "i32", "partial_cols": "i32"},
+                   expand=lambda partial, _: (partial, *partial.shape)),
+    "source": pointer("source_ptr", "*i32"),
+    "out": Arg("Tensor(a!)", {"out_ptr": ACTIVATION, "stride_om": "i32", "out_features": "i32"},
+               expand=lambda out, _: (out, out.stride(0), out.shape[1])),
+}, derived={"block": constexpr("BLOCK")})
+_linear = LINEAR.register(_launch_linear)
+_finish = FINISH.register(_launch_finish)
 
 
 def _piece_table(shards: Sequence[LinearShard]) -> tuple[list[list[int]], list[int]]:
@@ -233,10 +243,10 @@ class FusedTritonLinear:
             partial = self.no_partial
         else:
             partial = WORKSPACES.take(self.device, "linear_partial", (parts, count, self.partial_cols))
-        _linear(rows, self.pieces, self.suh, self.svh, out, partial, self.twice_k, self.codebook, BLOCK_M,
-                self.dot_fp16)
+        _linear(x=rows, pieces=self.pieces, suh=self.suh, svh=self.svh, out=out, partial=partial,
+                twice_k=self.twice_k, codebook=self.codebook, block_m=BLOCK_M, dot_fp16=self.dot_fp16)
         if parts > 1:
-            _finish(partial, self.source, out)
+            _finish(partial=partial, source=self.source, out=out)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _dequantized(self, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -272,14 +282,11 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module: `linear_kernel` for every activation dtype, writing
     the output directly (one part) and writing split partials (batch 1 on a GPU), at `shape`'s K and codebook. (The
     finish kernel reads no trellis; from `DEQUANT_MIN_ROWS` rows on triton_dequantize.py's kernel decodes.)"""
-    signature = {"x_ptr": "*fp16", "stride_xm": "i32", "rows": "i32", "pieces_ptr": "*i64",
-                 "suh_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "stride_om": "i32",
-                 "partial_ptr": "*fp32", "partial_cols": "i32"}
     variants = [(dtype, mode) for dtype in ("fp16", "bf16", "fp32") for mode in ("direct", "split")]
     return [
         StaticKernel(
             f"linear[{shape.codebook},{dtype},{mode}]", linear_kernel,
-            signature | {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+            LINEAR.signature(f"*{dtype}"),
             {"TWICE_K": int(2 * shape.k_bits), "CODEBOOK": CODEBOOK_IDS_BY_NAME[shape.codebook],
              "DOT_FP16": dtype != "fp32", "BLOCK_M": BLOCK_M, "DIRECT": mode != "split"},
             MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="pieces_ptr",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,7 +55,7 @@ from ..offload.tiers import PlacedExpert
 from .contract import ExpertCrop, MoELayer
 from .expert_blocks import blocks_where, grouped_blocks, slot_counts
 from .expert_slots import ExpertSlots
-from .launch_ops import register_launch
+from .launch_spec import ACTIVATION, LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer, strided
 from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table, present_values
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
@@ -63,8 +64,8 @@ from .triton_fused import (HALF, MATMUL_WARPS, PIECE, SHARED_PER_BLOCK, WORKSPAC
                            write_through)
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES
 from .triton_prefill import DequantizedPrefill
-from .triton_moe_steps import (activation, activation_args, activation_rows, matrix_facts, store_activation,
-                               store_rotated)
+from .triton_moe_steps import (INPUT_ROWS, KEEP, SWIGLU_LIMIT, Flags, MatrixArgs, activation, activation_rows,
+                               matrix_facts, store_activation, store_rotated, writes_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
@@ -211,7 +212,7 @@ def moe_down_kernel(
     row_ids_ptr, block_matrix_ptr, keep_ptr, suh_down_ptr, svh_down_ptr,
     swiglu_limit, down_trellis, down_twice_k, down_codebook, down_fill, size_k, size_n, steps, out_ptr,
     TOP_K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_P2: tl.constexpr,
-    TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    TWICE_K_DOWN: tl.constexpr, CODEBOOK_DOWN: tl.constexpr, DOT_FP16: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
     CLAMP: tl.constexpr, CROP: tl.constexpr, FILL: tl.constexpr, FINISHED: tl.constexpr,
 ):
     """out[part, slot, n0:+256] = route · had(act(gate, up) ⊙ suh @ W_hat(down)) ⊙ svh over this part's pieces,
@@ -226,7 +227,8 @@ def moe_down_kernel(
         signs = hadamard_signs(HALF)
         acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-        down = matrix_facts(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K, CODEBOOK, FILL)
+        down = matrix_facts(down_trellis, down_twice_k, down_codebook, down_fill, matrix, TWICE_K_DOWN,
+                            CODEBOOK_DOWN, FILL)
         act_rows = activation_rows(partial_ptr, rows, size_k, DOT_FP16)
         per_part = tl.cdiv(steps, tl.num_programs(2))
         for step in range(part * per_part, tl.minimum(steps, (part + 1) * per_part)):
@@ -234,7 +236,7 @@ def moe_down_kernel(
             if FINISHED:  # the gate/up kernel's one part left down's rotated input
                 x_lo, x_hi = load_row_halves(act_rows, row_ok, k0, size_k, 0, True)
                 acc, acc_second = _step(acc, acc_second, x_lo, x_hi, signs, *down, k0, n0, size_n, first, second,
-                                        TWICE_K, CODEBOOK, DOT_FP16, FILL, False)
+                                        TWICE_K_DOWN, CODEBOOK_DOWN, DOT_FP16, FILL, False)
             else:
                 gate_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
                 gate_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
@@ -256,7 +258,7 @@ def moe_down_kernel(
                 act_lo = activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
                 act_hi = activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
                 acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
-                                        TWICE_K, CODEBOOK, DOT_FP16, FILL)
+                                        TWICE_K_DOWN, CODEBOOK_DOWN, DOT_FP16, FILL)
         signs = hadamard_signs(128)
         route = None  # applied on the input
         if not ROUTE_ON_INPUT:
@@ -316,76 +318,97 @@ def gate_up_stages(twice_k_gate: int, twice_k_up: int, dot_fp16: bool, limit: in
     return 1
 
 
-def _launch_gate_up(x, route, ids, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up, gate_trellis,
-                    gate_twice_k, gate_codebook, gate_fill, up_trellis, up_twice_k, up_codebook, up_fill, partial,
-                    keep, suh_down, swiglu_limit, twice_k_gate, twice_k_up, codebook_gate, codebook_up, dedup,
-                    route_on_input, dot_fp16):
-    parts, _, num_slots, size_n = partial.shape
-    size_k = suh_gate.shape[1]
-    blocks = num_slots if dedup else block_matrix.shape[0]
-    fill = gate_fill is not None
-    keep_ptr, limit, activation = activation_args(keep, swiglu_limit, partial)
-    pieces = _pieces_grid(size_n)
-    moe_gate_up_kernel[(blocks, pieces, parts)](
-        x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
-        num_slots, row_ids, block_matrix, suh_gate, suh_up, svh_gate, svh_up,
-        gate_trellis, gate_twice_k, gate_codebook, gate_fill if fill else gate_trellis,
-        up_trellis, up_twice_k, up_codebook, up_fill if fill else up_trellis,
-        size_k, size_n, size_k // PIECE, partial, suh_down, keep_ptr, limit,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=slots_p2(num_slots, ids.shape[1], dedup),
-        TWICE_K_GATE=twice_k_gate, TWICE_K_UP=twice_k_up, CODEBOOK_GATE=codebook_gate, CODEBOOK_UP=codebook_up,
-        DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input, FILL=fill, FINISH=parts == 1, **activation,
+@dataclass(frozen=True)
+class Routing:
+    """The batch's routing as the fused kernels read it: router weights and local expert ids per token (the in-kernel
+    dedup reads the ids), and above the dedup range the slots sorted into blocks of one expert (row ids, each block's
+    expert; unread below it)."""
+
+    route: torch.Tensor = arg(strided("route_ptr", "*fp32", ("stride_r0", "stride_r1")))
+    ids: torch.Tensor = arg(strided("ids_ptr", "*i64", ("stride_i0", "stride_i1")))
+    row_ids: torch.Tensor = arg(pointer("row_ids_ptr", "*i32"))
+    block_matrix: torch.Tensor = arg(pointer("block_matrix_ptr", "*i32"))
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """What a fused launch derives from its tensors' shapes: slots, the product's sides and K steps (runtime
+    arguments); top-k, slots per program and the dedup's slot vector width (compiled in)."""
+
+    num_slots: int = arg(derived("num_slots"))
+    size_k: int = arg(derived("size_k"))
+    size_n: int = arg(derived("size_n"))
+    steps: int = arg(derived("steps"))
+    top_k: int = arg(constexpr("TOP_K"))
+    block_m: int = arg(constexpr("BLOCK_M"))
+    slots_p2: int = arg(constexpr("SLOTS_P2"))
+
+    @classmethod
+    def of(cls, num_slots: int, size_k: int, size_n: int, routing: Routing, dedup: bool) -> SlotShape:
+        top_k = routing.ids.shape[1]
+        return cls(num_slots, size_k, size_n, size_k // PIECE, top_k, BLOCK_M, slots_p2(num_slots, top_k, dedup))
+
+
+def _grid(args: LaunchArgs, num_slots: int, size_n: int, parts: int) -> tuple[int, int, int]:
+    """(blocks of slots: one per slot with the dedup, else the sorted blocks; output piece pairs; parts)."""
+    blocks = num_slots if args.dedup else args.routing.block_matrix.shape[0]
+    return blocks, _pieces_grid(size_n), parts
+
+
+def _launch_gate_up(args: LaunchArgs) -> None:
+    parts, _, num_slots, size_n = args.partial.shape
+    shape = SlotShape.of(num_slots, args.suh_gate.shape[1], size_n, args.routing, args.dedup)
+    stages = gate_up_stages(args.gate.uniform_twice_k, args.up.uniform_twice_k, args.flags.dot_fp16,
+                            shared_per_block(args.x.device))
+    moe_gate_up_kernel[_grid(args, num_slots, size_n, parts)](
+        **GATE_UP.kernel_kwargs(args, shape=shape, fill=writes_through(args.gate, args.up), finish=parts == 1),
+        num_warps=MATMUL_WARPS, num_stages=stages,
+    )
+
+
+def _launch_down(args: LaunchArgs) -> None:
+    parts, num_slots, size_n = args.out.shape
+    gate_parts, size_k = args.partial.shape[0], args.partial.shape[3]
+    shape = SlotShape.of(num_slots, size_k, size_n, args.routing, args.dedup)
+    moe_down_kernel[_grid(args, num_slots, size_n, parts)](
+        **DOWN.kernel_kwargs(args, shape=shape, gate_parts=gate_parts, fill=writes_through(args.down),
+                             finished=gate_parts == 1),
         num_warps=MATMUL_WARPS,
-        num_stages=gate_up_stages(twice_k_gate, twice_k_up, dot_fp16, shared_per_block(x.device)),
     )
 
 
-def _launch_down(partial, route, ids, row_ids, block_matrix, keep, suh_down, svh_down,
-                 down_trellis, down_twice_k, down_codebook, down_fill, out, swiglu_limit, twice_k, codebook, dedup,
-                 route_on_input, dot_fp16):
-    parts, num_slots, size_n = out.shape
-    size_k = partial.shape[3]
-    blocks = num_slots if dedup else block_matrix.shape[0]
-    fill = down_fill is not None
-    keep_ptr, limit, activation = activation_args(keep, swiglu_limit, partial)
-    pieces = _pieces_grid(size_n)
-    moe_down_kernel[(blocks, pieces, parts)](
-        partial, partial.shape[0], route, route.stride(0), route.stride(1), ids, ids.stride(0), ids.stride(1),
-        num_slots, row_ids, block_matrix, keep_ptr, suh_down, svh_down, limit, down_trellis, down_twice_k,
-        down_codebook, down_fill if fill else down_trellis, size_k, size_n, size_k // PIECE, out,
-        TOP_K=ids.shape[1], DEDUP=dedup, BLOCK_M=BLOCK_M, SLOTS_P2=slots_p2(num_slots, ids.shape[1], dedup),
-        TWICE_K=twice_k, CODEBOOK=codebook, DOT_FP16=dot_fp16, ROUTE_ON_INPUT=route_on_input,
-        FILL=fill, FINISHED=partial.shape[0] == 1, **activation, num_warps=MATMUL_WARPS,
-    )
-
-
-def _launch_sum(y, ids, out):
-    parts, num_slots, size_n = y.shape
-    tokens, hidden = out.shape
+def _launch_sum(args: LaunchArgs) -> None:
+    parts, num_slots, size_n = args.y.shape
+    tokens, hidden = args.out.shape
     moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        y, ids, ids.stride(0), ids.stride(1), parts, num_slots, size_n, hidden, out, out.stride(0),
-        TOP_K=ids.shape[1], BLOCK=SUM_BLOCK)
+        **SUM.kernel_kwargs(args, parts=parts, num_slots=num_slots, size_n=size_n, hidden=hidden,
+                            top_k=args.ids.shape[1], block=SUM_BLOCK))
 
 
-_ROUTING = "Tensor route, Tensor ids, Tensor row_ids, Tensor block_matrix"
-_FLAGS = "bool dedup, bool route_on_input, bool dot_fp16"
-_gate_up = register_launch(
-    "moe_gate_up_triton",
-    f"Tensor x, {_ROUTING}, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, Tensor gate_trellis, "
-    "Tensor gate_twice_k, "
-    "Tensor gate_codebook, Tensor? gate_fill, Tensor up_trellis, Tensor up_twice_k, Tensor up_codebook, "
-    f"Tensor? up_fill, Tensor(a!) partial, Tensor? keep, Tensor suh_down, float? swiglu_limit, int twice_k_gate, "
-    f"int twice_k_up, int codebook_gate, int codebook_up, {_FLAGS}",
-    _launch_gate_up,
-)
-_down = register_launch(
-    "moe_down_triton",
-    f"Tensor partial, {_ROUTING}, Tensor? keep, Tensor suh_down, Tensor svh_down, "
-    "Tensor down_trellis, Tensor down_twice_k, Tensor down_codebook, Tensor? down_fill, Tensor(a!) out, "
-    f"float? swiglu_limit, int twice_k, int codebook, {_FLAGS}",
-    _launch_down,
-)
-_sum = register_launch("moe_sum_triton", "Tensor y, Tensor ids, Tensor(a!) out", _launch_sum)
+_SCALE = "*fp16"
+GATE_UP = LaunchSpec("moe_gate_up_triton", moe_gate_up_kernel, {
+    "x": INPUT_ROWS, "routing": Routing,
+    "suh_gate": pointer("suh_gate_ptr", _SCALE), "suh_up": pointer("suh_up_ptr", _SCALE),
+    "svh_gate": pointer("svh_gate_ptr", _SCALE), "svh_up": pointer("svh_up_ptr", _SCALE),
+    "gate": MatrixArgs, "up": MatrixArgs, "partial": pointer("partial_ptr", "*fp32", "Tensor(a!)"),
+    "suh_down": pointer("suh_down_ptr", _SCALE), "keep": KEEP, "swiglu_limit": SWIGLU_LIMIT,
+    "dedup": constexpr("DEDUP", "bool"), "flags": Flags,
+}, derived={"shape": SlotShape, "fill": constexpr("FILL"), "finish": constexpr("FINISH")})
+DOWN = LaunchSpec("moe_down_triton", moe_down_kernel, {
+    "partial": pointer("partial_ptr", "*fp32"), "routing": Routing, "keep": KEEP,
+    "suh_down": pointer("suh_down_ptr", _SCALE), "svh_down": pointer("svh_down_ptr", _SCALE), "down": MatrixArgs,
+    "out": pointer("out_ptr", "*fp32", "Tensor(a!)"), "swiglu_limit": SWIGLU_LIMIT,
+    "dedup": constexpr("DEDUP", "bool"), "flags": Flags,
+}, derived={"shape": SlotShape, "gate_parts": derived("gate_parts"), "fill": constexpr("FILL"),
+            "finished": constexpr("FINISHED")})
+SUM = LaunchSpec("moe_sum_triton", moe_sum_kernel, {
+    "y": pointer("y_ptr", "*fp32"), "ids": strided("ids_ptr", "*i64", ("stride_i0", "stride_i1")),
+    "out": strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)"),
+}, derived={"parts": derived("parts"), "num_slots": derived("num_slots"), "size_n": derived("size_n"),
+            "hidden": derived("hidden"), "top_k": constexpr("TOP_K"), "block": constexpr("BLOCK")})
+_gate_up = GATE_UP.register(_launch_gate_up)
+_down = DOWN.register(_launch_down)
+_sum = SUM.register(_launch_sum)
 
 
 def decode_split(hidden_in: int, intermediate: int, hidden_out: int, top_k: int, target: int) -> tuple[int, int]:
@@ -489,23 +512,22 @@ class FusedTritonMoE:
         shapes = workspace_shapes(tokens, top_k, self.split, gate.out_features, down.out_features)
         partial, y = (WORKSPACES.take(self.device, purpose, shape) for purpose, shape in shapes.items())
         out = torch.empty(tokens, self.hidden, dtype=x.dtype, device=x.device)
-        routing = (topk_weights, topk_ids, row_ids, block_matrix)
-        flags = (dedup, apply_router_weight_on_input, self.dot_fp16)
-        _gate_up(x, *routing, self.scales[("gate", "suh")], self.scales[("up", "suh")],
-                 self.scales[("gate", "svh")], self.scales[("up", "svh")],
-                 gate.trellis, gate.twice_k, gate.codebook, fill.get("gate"),
-                 up.trellis, up.twice_k, up.codebook, fill.get("up"), partial,
-                 self.keep_channels, self.scales[("down", "suh")], self.swiglu_limit,
-                 gate.uniform_twice_k, up.uniform_twice_k, gate.uniform_codebook, up.uniform_codebook, *flags)
-        _down(partial, *routing, self.keep_channels,
-              self.scales[("down", "suh")], self.scales[("down", "svh")],
-              down.trellis, down.twice_k, down.codebook, fill.get("down"), y,
-              self.swiglu_limit, down.uniform_twice_k, down.uniform_codebook, *flags)
+        routing = Routing(topk_weights, topk_ids, row_ids, block_matrix)
+        flags = Flags(route_on_input=apply_router_weight_on_input, dot_fp16=self.dot_fp16)
+        scales = self.scales
+        _gate_up(x=x, routing=routing, suh_gate=scales[("gate", "suh")], suh_up=scales[("up", "suh")],
+                 svh_gate=scales[("gate", "svh")], svh_up=scales[("up", "svh")],
+                 gate=MatrixArgs.of(gate, fill.get("gate")), up=MatrixArgs.of(up, fill.get("up")), partial=partial,
+                 suh_down=scales[("down", "suh")], keep=self.keep_channels, swiglu_limit=self.swiglu_limit,
+                 dedup=dedup, flags=flags)
+        _down(partial=partial, routing=routing, keep=self.keep_channels, suh_down=scales[("down", "suh")],
+              svh_down=scales[("down", "svh")], down=MatrixArgs.of(down, fill.get("down")), out=y,
+              swiglu_limit=self.swiglu_limit, dedup=dedup, flags=flags)
         if dense:
             self.prefill.forward(x, topk_weights, topk_ids, counts, partial, y, fill, apply_router_weight_on_input)
         if self.cache is not None:
             self.cache.finish()  # every trellis read of this forward is queued: the tables switch now
-        _sum(y, topk_ids, out)
+        _sum(y=y, ids=topk_ids, out=out)
         return out
 
 
@@ -535,34 +557,22 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     trellis: nothing in it for the report to measure; triton_prefill.py lists the dense experts' kernels.)"""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     twice_k = int(2 * shape.k_bits)
-    routing = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "ids_ptr": "*i64", "stride_i0": "i32",
-               "stride_i1": "i32", "num_slots": "i32", "row_ids_ptr": "*i32", "block_matrix_ptr": "*i32"}
-    table = {"trellis": "*i64", "twice_k": "*i32", "codebook": "*i32", "fill": "*i64"}
     kernels = []
-    for dtype, pointer in _TRITON_DTYPES.items():
+    for dtype, activation in _TRITON_DTYPES.items():
         for mode, dedup in (("decode", True), ("prefill", False)):
             if mode == "prefill" and dtype != "fp16":
                 continue
             flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=BLOCK_M,
                          SLOTS_P2=slots_p2(shape.top_k, shape.top_k, dedup), DOT_FP16=dtype != "fp32",
                          ROUTE_ON_INPUT=False, FILL=False, CLAMP=False, CROP=False)
-            gate_up = {"x_ptr": pointer, "stride_xm": "i32", "hidden": "i32", **routing,
-                       "suh_gate_ptr": "*fp16", "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16",
-                       **{f"gate_{k}": v for k, v in table.items()}, **{f"up_{k}": v for k, v in table.items()},
-                       "size_k": "i32", "size_n": "i32", "steps": "i32", "partial_ptr": "*fp32",
-                       "suh_down_ptr": "*fp16", "keep_ptr": "*fp32", "swiglu_limit": "fp32"}
             for stages, launched_on in _per_target_stages(twice_k, dtype != "fp32"):
                 kernels.append(StaticKernel(
-                    f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up,
+                    f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, GATE_UP.signature(activation),
                     {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
                      "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS, stages,
                     2 * 2 * PIECE * PIECE, dtype=dtype, trellis_arg="gate_trellis", launched_on=launched_on))
-            down = {"partial_ptr": "*fp32", "gate_parts": "i32", **routing, "keep_ptr": "*fp32",
-                    "suh_down_ptr": "*fp16", "svh_down_ptr": "*fp16", "swiglu_limit": "fp32",
-                    **{f"down_{k}": v for k, v in table.items()}, "size_k": "i32", "size_n": "i32", "steps": "i32",
-                    "out_ptr": "*fp32"}
             kernels.append(StaticKernel(
-                f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down,
-                {**flags, "TWICE_K": twice_k, "CODEBOOK": codebook, "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3,
-                2 * PIECE * PIECE, dtype=dtype, trellis_arg="down_trellis"))
+                f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, DOWN.signature(activation),
+                {**flags, "TWICE_K_DOWN": twice_k, "CODEBOOK_DOWN": codebook, "FINISHED": mode == "prefill"},
+                MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="down_trellis"))
     return kernels

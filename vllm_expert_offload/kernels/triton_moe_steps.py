@@ -7,16 +7,74 @@ grouped GEMMs over dequantized experts (triton_prefill.py).
   (`activation_rows`);
 - `store_rotated`: an output piece rotated back, ⊙ svh, times the router weight where given.
 Both paths store down's input and the per-slot outputs in the same layout, so one sum kernel serves them.
+
+And the launch arguments their launches share (kernels/launch_spec.py): a projection's `MatrixArgs`, the `Flags`
+every MoE kernel is compiled for, the input rows (`INPUT_ROWS`) and the activation's crop and clamp (`KEEP`,
+`SWIGLU_LIMIT`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidValueError
+from .launch_spec import ACTIVATION, Arg, arg
+from .matrix_table import MatrixTable
 from .triton_decode import matrix_rate
 from .triton_fused import rotate
+
+
+@dataclass(frozen=True)
+class MatrixArgs:
+    """One projection's matrices as a launch passes them (read in the kernel by `matrix_facts`): the MatrixTable's
+    device tables, its rate and codebook where uniform (compiled in; else read per matrix) and the expert cache's
+    fill table (none: the kernel gets the trellis table, unread, and is compiled without the copy)."""
+
+    trellis: torch.Tensor = arg("Tensor", {"{p}_trellis": "*i64"})
+    twice_k: torch.Tensor = arg("Tensor", {"{p}_twice_k": "*i32"})
+    codebook: torch.Tensor = arg("Tensor", {"{p}_codebook": "*i32"})
+    fill: torch.Tensor | None = arg("Tensor?", {"{p}_fill": "*i64"},
+                                    expand=lambda fill, matrices: (matrices.trellis if fill is None else fill,))
+    uniform_twice_k: int = arg("int", constexprs=("TWICE_K_{P}",))
+    uniform_codebook: int = arg("int", constexprs=("CODEBOOK_{P}",))
+
+    @classmethod
+    def of(cls, table: MatrixTable, fill: torch.Tensor | None = None) -> MatrixArgs:
+        return cls(table.trellis, table.twice_k, table.codebook, fill, table.uniform_twice_k, table.uniform_codebook)
+
+
+def writes_through(*projections: MatrixArgs) -> bool:
+    """Whether a launch reading `projections` writes them through (the FILL constexpr): all have a fill table or
+    none has (a launch without one for some would treat their trellis table as fill addresses)."""
+    filled = {p.fill is not None for p in projections}
+    if len(filled) > 1:
+        raise InvalidValueError("fill tables must be given for every projection of a launch or for none")
+    return filled.pop()
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What every MoE kernel of a forward is compiled for: the router weight on the input rather than the output,
+    and fp16 tensor-core products (half-precision models) rather than exact fp32 ones."""
+
+    route_on_input: bool = arg("bool", constexprs=("ROUTE_ON_INPUT",))
+    dot_fp16: bool = arg("bool", constexprs=("DOT_FP16",))
+
+
+# The layer's input rows, as the gate/up kernels read them: the model's activations, row stride, width.
+INPUT_ROWS = Arg("Tensor", {"x_ptr": ACTIVATION, "stride_xm": "i32", "hidden": "i32"},
+                 expand=lambda x, _: (x, x.stride(0), x.shape[1]))
+# The activation's crop to this rank's channels (a 0/1 vector; none: compiled without, the kernel handed the partial
+# workspace, unread) and vLLM's optional clamp (none: compiled without), applied by the gate/up kernel with one part
+# and the down kernel otherwise (the prefill's gate/up GEMM always).
+KEEP = Arg("Tensor?", {"keep_ptr": "*fp32"}, ("CROP",),
+           expand=lambda keep, args: (args.partial if keep is None else keep, keep is not None))
+SWIGLU_LIMIT = Arg("float?", {"swiglu_limit": "fp32"}, ("CLAMP",),
+                   expand=lambda limit, _: (0.0 if limit is None else limit, limit is not None))
 
 
 @triton.jit
@@ -74,13 +132,3 @@ def activation(gate, up, swiglu_limit, CLAMP: tl.constexpr):
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     return gate * tl.sigmoid(gate) * up
-
-
-def activation_args(keep: torch.Tensor | None, swiglu_limit: float | None,
-                     partial: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, bool]]:
-    """(keep pointer, clamp limit, constexprs) of the activation, which the gate/up kernel applies with one part and
-    the down kernel otherwise (the prefill's gate/up GEMM always): without a crop the kernels compile none and get
-    an unread tensor for `keep`."""
-    crop = keep is not None
-    return (keep if crop else partial, 0.0 if swiglu_limit is None else swiglu_limit,
-            dict(CLAMP=swiglu_limit is not None, CROP=crop))

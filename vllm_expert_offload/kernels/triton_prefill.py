@@ -19,18 +19,21 @@ writes each dense expert's trellis through as it reads it; the fused kernels wri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .expert_blocks import blocks_where, grouped_blocks
-from .launch_ops import register_launch
+from .launch_spec import LaunchArgs, LaunchSpec, arg, constexpr, derived, integer, pointer, strided
 from .matrix_table import MatrixTable
 from .pointer_tables import ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, WORKSPACE, dequantize
 from .triton_fused import MATMUL_WARPS, PIECE, RSQRT_128, WORKSPACES, hadamard_signs, product
-from .triton_moe_steps import activation_args, activation_rows, store_activation, store_rotated
+from .triton_moe_steps import (INPUT_ROWS, KEEP, SWIGLU_LIMIT, Flags, activation_rows, store_activation,
+                               store_rotated)
 
 GEMM_BLOCK_M = 32  # at 64 rows the epilogue rotations spill 24-292 B (sm_90, sm_120); at 32 none
 GEMM_BLOCK_K = 32
@@ -112,42 +115,62 @@ def grouped_down_kernel(
                       svh_down_ptr + matrix * size_n, DOT_FP16, route)
 
 
-def _launch_gate_up(x, route, row_ids, block_matrix, first, chunk, w, matrix_stride, size_k, suh_gate, suh_up,
-                    svh_gate, svh_up, suh_down, keep, swiglu_limit, partial, route_on_input, dot_fp16):
-    size_n = svh_gate.shape[1]
-    keep_ptr, limit, flags = activation_args(keep, swiglu_limit, partial)
-    grouped_gate_up_kernel[(block_matrix.shape[0], size_n // PIECE)](
-        x, x.stride(0), x.shape[1], route, route.stride(0), route.stride(1), row_ids, block_matrix, first, chunk, w,
-        matrix_stride, size_k, size_n, suh_gate, suh_up, svh_gate, svh_up, suh_down, keep_ptr, limit, partial,
-        TOP_K=route.shape[1], BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=dot_fp16,
-        ROUTE_ON_INPUT=route_on_input, **flags, num_warps=MATMUL_WARPS,
-    )
+@dataclass(frozen=True)
+class ChunkBlocks:
+    """One chunk's blocks of slots: the slots sorted into blocks of one expert (row ids, each block's expert), and
+    the chunk's experts, `first` .. `first` + `chunk` - 1, whose blocks the GEMMs take."""
+
+    row_ids: torch.Tensor = arg(pointer("row_ids_ptr", "*i32"))
+    block_matrix: torch.Tensor = arg(pointer("block_matrix_ptr", "*i32"))
+    first: int = arg(integer("first"))
+    chunk: int = arg(integer("chunk"))
 
 
-def _launch_down(partial, route, row_ids, block_matrix, first, chunk, w, matrix_stride, svh_down, out,
-                 route_on_input, dot_fp16):
-    size_k, size_n = partial.shape[-1], out.shape[-1]
-    grouped_down_kernel[(block_matrix.shape[0], size_n // PIECE)](
-        partial, route, route.stride(0), route.stride(1), row_ids, block_matrix, first, chunk, w, matrix_stride,
-        size_k, size_n, svh_down, out,
-        TOP_K=route.shape[1], BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=dot_fp16,
-        ROUTE_ON_INPUT=route_on_input, num_warps=MATMUL_WARPS,
-    )
+@dataclass(frozen=True)
+class Decoded:
+    """A projection's decoded experts in the workspace: from the chunk's first expert's matrix on, one expert's
+    matrices every `matrix_stride` elements."""
+
+    w: torch.Tensor = arg(pointer("w_ptr", "*fp16"))
+    matrix_stride: int = arg(integer("matrix_stride"))
 
 
-_BLOCKS = "Tensor row_ids, Tensor block_matrix, int first, int chunk, Tensor w, int matrix_stride"
-_gate_up = register_launch(
-    "moe_grouped_gate_up_triton",
-    f"Tensor x, Tensor route, {_BLOCKS}, int size_k, Tensor suh_gate, Tensor suh_up, Tensor svh_gate, Tensor svh_up, "
-    "Tensor suh_down, Tensor? keep, float? swiglu_limit, Tensor(a!) partial, bool route_on_input, bool dot_fp16",
-    _launch_gate_up,
-)
-_down = register_launch(
-    "moe_grouped_down_triton",
-    f"Tensor partial, Tensor route, {_BLOCKS}, Tensor svh_down, Tensor(a!) out, bool route_on_input, "
-    "bool dot_fp16",
-    _launch_down,
-)
+_SCALE = "*fp16"
+_ROUTE = strided("route_ptr", "*fp32", ("stride_r0", "stride_r1"))
+# What both GEMMs derive: the product's output width, top-k, rows per block and K per step.
+_GEMM = {"size_n": derived("size_n"), "top_k": constexpr("TOP_K"), "block_m": constexpr("BLOCK_M"),
+         "block_k": constexpr("BLOCK_K")}
+
+
+def _gemm(args: LaunchArgs, size_n: int) -> dict[str, int]:
+    return dict(size_n=size_n, top_k=args.route.shape[1], block_m=GEMM_BLOCK_M, block_k=GEMM_BLOCK_K)
+
+
+def _launch_gate_up(args: LaunchArgs) -> None:
+    size_n = args.svh_gate.shape[1]
+    grouped_gate_up_kernel[(args.blocks.block_matrix.shape[0], size_n // PIECE)](
+        **GATE_UP.kernel_kwargs(args, **_gemm(args, size_n)), num_warps=MATMUL_WARPS)
+
+
+def _launch_down(args: LaunchArgs) -> None:
+    size_n = args.out.shape[-1]
+    grouped_down_kernel[(args.blocks.block_matrix.shape[0], size_n // PIECE)](
+        **DOWN.kernel_kwargs(args, size_k=args.partial.shape[-1], **_gemm(args, size_n)), num_warps=MATMUL_WARPS)
+
+
+GATE_UP = LaunchSpec("moe_grouped_gate_up_triton", grouped_gate_up_kernel, {
+    "x": INPUT_ROWS, "route": _ROUTE, "blocks": ChunkBlocks, "decoded": Decoded, "size_k": integer("size_k"),
+    "suh_gate": pointer("suh_gate_ptr", _SCALE), "suh_up": pointer("suh_up_ptr", _SCALE),
+    "svh_gate": pointer("svh_gate_ptr", _SCALE), "svh_up": pointer("svh_up_ptr", _SCALE),
+    "suh_down": pointer("suh_down_ptr", _SCALE), "keep": KEEP, "swiglu_limit": SWIGLU_LIMIT,
+    "partial": pointer("partial_ptr", "*fp32", "Tensor(a!)"), "flags": Flags,
+}, derived=_GEMM)
+DOWN = LaunchSpec("moe_grouped_down_triton", grouped_down_kernel, {
+    "partial": pointer("partial_ptr", "*fp32"), "route": _ROUTE, "blocks": ChunkBlocks, "decoded": Decoded,
+    "svh_down": pointer("svh_down_ptr", _SCALE), "out": pointer("out_ptr", "*fp32", "Tensor(a!)"), "flags": Flags,
+}, derived={"size_k": derived("size_k"), **_GEMM})
+_gate_up = GATE_UP.register(_launch_gate_up)
+_down = DOWN.register(_launch_down)
 
 
 class DequantizedPrefill:
@@ -188,32 +211,27 @@ class DequantizedPrefill:
             for p, table in self.tables.items():
                 dequantize(table, w, counts=counts, min_rows=self.min_rows, first=first, chunk=self.chunk,
                            offset=offsets[p], matrix_stride=self.matrix_stride, fold=p != "down", fill=fill.get(p))
-            blocks = (row_ids, block_matrix, first, self.chunk)
-            _gate_up(x, topk_weights, *blocks, w, self.matrix_stride, self.tables["gate"].in_features,
-                     s[("gate", "suh")], s[("up", "suh")], s[("gate", "svh")], s[("up", "svh")], s[("down", "suh")],
-                     self.keep_channels, self.swiglu_limit, partial, route_on_input, self.dot_fp16)
-            _down(partial, topk_weights, *blocks, w[offsets["down"]:], self.matrix_stride, s[("down", "svh")], y,
-                  route_on_input, self.dot_fp16)
-
+            blocks = ChunkBlocks(row_ids, block_matrix, first, self.chunk)
+            flags = Flags(route_on_input=route_on_input, dot_fp16=self.dot_fp16)
+            _gate_up(x=x, route=topk_weights, blocks=blocks, decoded=Decoded(w, self.matrix_stride),
+                     size_k=self.tables["gate"].in_features, suh_gate=s[("gate", "suh")], suh_up=s[("up", "suh")],
+                     svh_gate=s[("gate", "svh")], svh_up=s[("up", "svh")], suh_down=s[("down", "suh")],
+                     keep=self.keep_channels, swiglu_limit=self.swiglu_limit, partial=partial, flags=flags)
+            _down(partial=partial, route=topk_weights, blocks=blocks,
+                  decoded=Decoded(w[offsets["down"]:], self.matrix_stride), svh_down=s[("down", "svh")], out=y,
+                  flags=flags)
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
     in the workspace): the two grouped GEMMs, which read no trellis (the report gives their registers, spills and
     shared memory; triton_dequantize.py lists the decode). Aligned at every launch: the workspace (its start, or
     down's offset of two whole matrices), the stride of one expert's matrices and their sides (multiples of 128)."""
-    blocks = {"route_ptr": "*fp32", "stride_r0": "i32", "stride_r1": "i32", "row_ids_ptr": "*i32",
-              "block_matrix_ptr": "*i32", "first": "i32", "chunk": "i32", "w_ptr": "*fp16", "matrix_stride": "i32",
-              "size_k": "i32", "size_n": "i32"}
-    gate_up = {"x_ptr": "*fp16", "stride_xm": "i32", "hidden": "i32", **blocks, "suh_gate_ptr": "*fp16",
-               "suh_up_ptr": "*fp16", "svh_gate_ptr": "*fp16", "svh_up_ptr": "*fp16", "suh_down_ptr": "*fp16",
-               "keep_ptr": "*fp32", "swiglu_limit": "fp32", "partial_ptr": "*fp32"}
-    down = {"partial_ptr": "*fp32", **blocks, "svh_down_ptr": "*fp16", "out_ptr": "*fp32"}
     gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
     aligned = ("w_ptr", "matrix_stride", "size_k", "size_n")
-    kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, gate_up | {"x_ptr": f"*{dtype}"},
+    kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, GATE_UP.signature(f"*{dtype}"),
                             gemm | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None,
                             aligned=aligned)
                for dtype in ("fp16", "bf16")]
-    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, down, gemm, MATMUL_WARPS, 3, 0,
-                                trellis_arg=None, aligned=aligned))
+    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, DOWN.signature(), gemm, MATMUL_WARPS,
+                                3, 0, trellis_arg=None, aligned=aligned))
     return kernels

@@ -22,7 +22,6 @@ from .compile_census import LAYERS, CensusLayer, layer_variants
 # down 4-11 s), the largest seen, rounded up.
 COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 1, "dequantize_kernel": 12,
              "grouped_gate_up_kernel": 10, "grouped_down_kernel": 10, "exl3_matmul_kernel": 8}
-_RATE_CONSTEXPRS = ("TWICE_K", "TWICE_K_GATE", "TWICE_K_UP")
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def _rates(key: tuple) -> int:
     """Rates the widest table of a recorded launch holds (1 for a kernel that decodes none)."""
     widest = 1
     for param, kind, value in key[1]:
-        if kind == "constexpr" and param in _RATE_CONSTEXPRS:
+        if kind == "constexpr" and param.startswith("TWICE_K"):  # a table's present_key (TWICE_K_GATE, ...)
             widest = max(widest, len(present_values(value)))
     return widest
 

@@ -27,8 +27,8 @@ from ...kernels.device_probe import device_read_rate, exchange_seconds
 from ...kernels.expert_slots import ExpertSlots
 from ...kernels.host_tier import HostTier, build_host_tier, probe_rates
 from ...kernels.stream_host_tier import CpuTierCompute, CudaStreamOrder, HostJob, PendingPartial, StreamHostTier
-from ...memory.tier_cpus import TierCpus, tier_cpus
-from ...memory.topology import node_cpus, parse_cpulist
+from ...memory.tier_cpus import TierCpus, node_share, tier_cpus
+from ...memory.topology import node_cpus, numa_node_of_gpu, parse_cpulist
 from ...offload.counters import TierCounters
 from ...offload.cpu_tier import TierSplit, split_ids
 from ...offload.process import ProcessPlacement
@@ -71,12 +71,25 @@ class CpuTierStep:
 
 
 def host_share() -> tuple[int, int]:
-    """(this worker's index, workers) among vLLM's workers on this host: each takes its share of the CPU tier's
-    automatic core list."""
+    """(this worker's index, workers) among vLLM's workers on this host, every data-parallel engine's included:
+    each takes its share of the CPU tier's cores. vLLM's GPU worker folds its local DP rank into the world group's
+    local_rank (gpu_worker.py init_device) and the CPU worker does not, so the index is rebuilt from the DP rank
+    and the rank within the engine, the same on both."""
     from vllm.config import get_current_vllm_config
     from vllm.distributed.parallel_state import get_world_group
 
-    return get_world_group().local_rank, get_current_vllm_config().parallel_config.local_world_size
+    parallel = get_current_vllm_config().parallel_config
+    return engine_host_share(get_world_group().local_rank, parallel.local_world_size,
+                             parallel.data_parallel_rank_local, parallel.data_parallel_index,
+                             parallel.data_parallel_size_local, parallel.data_parallel_size)
+
+
+def engine_host_share(local_rank: int, engine_ranks: int, dp_rank_local: int | None, dp_index: int,
+                      dp_size_local: int, dp_size: int) -> tuple[int, int]:
+    """`host_share` from vLLM's parallel config values: local DP rank x ranks per engine + the rank in the engine."""
+    engines = max(dp_size_local, 1) if dp_size > 1 else 1
+    engine = (dp_index if dp_rank_local is None else dp_rank_local) % engines
+    return engine * engine_ranks + local_rank % engine_ranks, engines * engine_ranks
 
 
 def _engine_bound(device: torch.device) -> set[int]:
@@ -92,12 +105,29 @@ def _engine_bound(device: torch.device) -> set[int]:
 
 
 def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: tuple[int, int]) -> TierCpus:
-    """The tier's cores: the options' list, or the arena's node minus vLLM's cores, this rank's share of it."""
+    """The tier's cores: the options' list split among the host's ranks, or "auto": the arena's node minus vLLM's
+    cores and, on a GPU, minus one core per rank on the node and one for the engine core and API server (their
+    threads stay unpinned there), split among the ranks whose arena is on the same node."""
     settings = placement.options.cpu_tier
-    online = parse_cpulist(open("/sys/devices/system/cpu/online").read())
     node = None if placement.arena is None else placement.arena.numa_node
-    return tier_cpus(settings.cpus, settings.threads, online, node_cpus(node) if node is not None else (),
-                     _engine_bound(device), share)
+    if device.type == "cpu":  # the CPU engine's worker is bound already: its own affinity is vLLM's cores
+        usable, auto_share, reserve = parse_cpulist(open("/sys/devices/system/cpu/online").read()), share, 0
+    else:
+        usable = sorted(os.sched_getaffinity(0))
+        auto_share = node_share(share[0], _host_rank_nodes(share[1], share[0], node))
+        reserve = auto_share[1] + 1
+    return tier_cpus(settings.cpus, settings.threads, usable, node_cpus(node) if node is not None else (),
+                     _engine_bound(device), share if settings.cpus is not None else auto_share, reserve)
+
+
+def _host_rank_nodes(ranks: int, index: int, own: int | None) -> list[int | None]:
+    """Each host rank's GPU's NUMA node (rank i drives CUDA device i when the process sees every GPU, as vLLM's
+    multiprocessing workers do); when it sees fewer, every rank counts as on this rank's node (shares then never
+    overlap, they are only smaller)."""
+    try:
+        return [numa_node_of_gpu(rank) if rank != index else own for rank in range(ranks)]
+    except IndexError:
+        return [own] * ranks
 
 
 def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,

@@ -21,7 +21,7 @@ from ...kernels.oracle import BackendUnavailable, KernelChoice, backend
 from ...offload.cache_policy import CacheSettings
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry, RankExperts
-from ..vllm_hooks import install_crash_line, install_profile_flag
+from ..vllm_hooks import install_crash_line, install_profile_flag, install_replay_padding
 from .expert_loading import ExpertLoading
 from .gathered_rows import gathered_capture_rows
 from .moe_runtime import MoERuntime
@@ -62,6 +62,7 @@ def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts
                                      rank, parallel.dp_rank, parallel.dp_size, cache, first_in_engine)
         if device.type == "cuda":
             install_crash_line(placement.options.min_free_fraction, placement.gpu_tier_sizes())
+            install_replay_padding()
         process.placement = placement
     elif rank is not None and process.placement.rank != rank:
         raise Exl3FormatError(f"expert map of this MoE layer ({rank.label()}) differs from the first layer's "
@@ -72,7 +73,15 @@ def _process_placement(quant_config, geometry: ExpertGeometry, rank: RankExperts
 def _rank_experts(layer: torch.nn.Module, parallel) -> RankExperts | None:
     """This rank's routed experts, read from vLLM's own expert map. Expert parallelism places whole experts; vLLM
     never splits an expert under EP (its MoE TP size is 1 there), and a configuration that did is refused by name
-    rather than served with experts both split and placed per rank."""
+    rather than served with experts both split and placed per rank. Prefill context parallelism is refused by
+    name too: vLLM all-gathers its ranks' tokens into the MoE batch while the padding mask covers this rank's rows
+    only, a gather the forward has not been built or tested for."""
+    if parallel.pcp_size > 1:
+        raise Exl3FormatError(
+            f"{layer.layer_name}: --prefill-context-parallel-size {parallel.pcp_size} is not supported with EXL3 "
+            "routed experts (vLLM gathers every context-parallel rank's tokens into the MoE batch, and only this "
+            "rank's rows have a padding mask); start without it"
+        )
     if parallel.use_ep and parallel.tp_size > 1:
         raise Exl3FormatError(
             f"{layer.layer_name}: --enable-expert-parallel with an MoE tensor-parallel size of {parallel.tp_size} "

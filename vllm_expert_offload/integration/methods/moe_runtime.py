@@ -23,22 +23,21 @@ A new step is one method and one line in `forward`.
 Every step is device work: vLLM captures this forward in CUDA graphs and replays it for padded batches and for a
 data-parallel engine's dummy batches, so whether a row is real is read from the device, from the model runner's
 persistent `is_padding` buffer (vLLM 0.32/0.33, V1 and V2 runners: filled before every step, all True in dummy runs
-and captures), never from a Python flag the capture would freeze. Under data parallelism vLLM gathers every
-engine's tokens into the batch but not their masks, so the layer all-gathers the masks the same way (one byte per
-row, one small collective per layer and step, captured with the rest): another engine's padding rows, its captured
-size's tail or an idle engine's whole dummy batch, reach no kernel, read counter or cache step either, identically
-on every rank. A batch gathered otherwise (sequence-parallel MoE, prefill context parallelism: rows not in DP rank
-order) keeps the other engines' rows as they are, with a warning at the first such forward.
+and captures, read only under VLLM_MOE_SKIP_PADDING as vLLM's routers read it), never from a Python flag the capture
+would freeze. Under data parallelism vLLM gathers every engine's tokens into the batch but not their masks, so the
+layer all-gathers the masks the same way (one byte per row, one small collective per layer and step, captured with
+the rest): another engine's padding rows, its captured size's tail or an idle engine's whole dummy batch, reach no
+kernel, read counter or cache step either, identically on every rank. A batch gathered otherwise (sequence-parallel
+MoE: rows not in DP rank order) keeps the other engines' rows as they are, with a warning at the first such forward.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-import logging
-
 import torch
-from vllm import forward_context
+from vllm import envs, forward_context
 from vllm.distributed.parallel_state import get_dp_group
 
 from ...kernels.contract import MoEKernel
@@ -110,8 +109,10 @@ class MoERuntime:
     @staticmethod
     def _padding() -> torch.Tensor | None:
         """bool (this engine's rows,): True on padding rows (a captured size's tail, every row of a dummy batch),
-        read from the device by a replayed graph; None outside a vLLM step (tests, benchmarks: every row is real)."""
-        if not forward_context.is_forward_context_available():
+        read from the device by a replayed graph; None outside a vLLM step (tests, benchmarks: every row is real)
+        and with VLLM_MOE_SKIP_PADDING=0, where vLLM's V2 runner stops filling the mask for real steps (its rows
+        still say what the last dummy batch wrote: every row padding) and vLLM's own routers ignore it too."""
+        if not envs.VLLM_MOE_SKIP_PADDING or not forward_context.is_forward_context_available():
             return None
         return forward_context.get_forward_context().is_padding
 
