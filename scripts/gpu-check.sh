@@ -6,8 +6,11 @@
 #
 #   scripts/gpu-check.sh [--dry-run] [RESULTS_DIR]        RESULTS_DIR defaults to $OUT, else /tmp/gpu-check
 #
-# Each step runs under its own time limit, all inside GPU_CHECK_TOTAL_S (470 s; a dry run allows 4 times each); a step
-# that would start with too little time left is not run and fails the run. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as
+# Each step runs under its own time budget, derived from the compile census (vllm_expert_offload/tools/
+# gpu_check_budget.py: the step's own seconds plus the Triton variants it compiles, each at its measured compile
+# time, printed with its source before the first step), all inside GPU_CHECK_TOTAL_S (470 s). A step whose budget
+# does not fit the time left is not started (a step killed mid-compile measures nothing) and fails the run. A dry
+# run's stubs compile nothing: its steps are bound by their own seconds, 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as
 # soon as it ends (with the tail of its output when it fails), the probe's and the benchmark's rows to probe.jsonl and
 # bench.jsonl as they are measured, everything printed to gpu-check.log. Exit status: 0 when every step that could run
 # passed (the engine steps are skipped without vLLM), 1 when one failed or was not reached, 2 at once without a CUDA
@@ -64,17 +67,40 @@ mkdir -p "$EXLLAMAV3_TUNE_CACHE"
 
 failed=()
 skipped=()
-step() {  # step NAME BUDGET_S COMMAND...: run bounded, record the result, go on either way
-    local name="$1" budget=$(( $2 * SLACK ))
-    shift 2
-    local left=$(( DEADLINE - $(date +%s) ))
-    local limit=$(( budget < left ? budget : left ))
-    if [ "$limit" -lt 15 ]; then  # not checked is not passed: the run fails, saying which steps it never reached
-        failed+=("$name (not run: out of time)")
-        emit step="$name" status=failed reason="not run: ${left} s left of the run's ${TOTAL_S} s"
+declare -A RUN_S BUDGET_S SOURCE
+if ! plan=$("$PY" -m vllm_expert_offload.tools.gpu_check_budget); then
+    echo "gpu-check: the step budgets could not be derived (vllm_expert_offload.tools.gpu_check_budget failed)" >&2
+    emit step=budgets status=failed reason="vllm_expert_offload.tools.gpu_check_budget failed"
+    exit 1
+fi
+echo "== step budgets (compile census; a dry run bounds each step by its own seconds x $SLACK)"
+while IFS=$'\t' read -r key run budget source; do
+    RUN_S["$key"]=$run BUDGET_S["$key"]=$budget SOURCE["$key"]=$source
+    echo "   $key: $budget s = $source"
+done <<< "$plan"
+step() {  # step NAME COMMAND...: run within NAME's budget, record the result, go on either way
+    local name="$1" key budget=""
+    shift
+    for key in "${!BUDGET_S[@]}"; do
+        if [[ "$name" == "$key"* ]]; then
+            budget=$(( DRY ? RUN_S[$key] * SLACK : BUDGET_S[$key] ))
+            break
+        fi
+    done
+    if [ -z "$budget" ]; then
+        echo "gpu-check: step '$name' has no budget in vllm_expert_offload.tools.gpu_check_budget" >&2
+        failed+=("$name (no budget)")
+        emit step="$name" status=failed reason="no budget"
         return 0
     fi
-    echo "== $name (at most $limit s)"
+    local left=$(( DEADLINE - $(date +%s) ))
+    if [ "$budget" -gt "$left" ]; then  # not checked is not passed: the run fails, saying which steps it never ran
+        failed+=("$name (not run: needs $budget s, $left s left)")
+        emit step="$name" status=failed reason="not run: needs ${budget} s (${SOURCE[$key]}), ${left} s left of the run's ${TOTAL_S} s"
+        return 0
+    fi
+    local limit=$budget
+    echo "== $name (at most $limit s: ${SOURCE[$key]})"
     local log start rc
     log=$(mktemp)
     start=$(date +%s)
@@ -115,8 +141,8 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 
 pick nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.max.sm \
     --format=csv -- echo "dry run: nvidia-smi not queried"
-step machine 20 "${CMD[@]}"
-step versions 30 "$PY" -c "
+step machine "${CMD[@]}"
+step versions "$PY" -c "
 import sys, torch, triton
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)
 from vllm_expert_offload.kernels.exllamav3_backend import exllamav3_unavailable
@@ -127,32 +153,32 @@ if why is None:
     print('exllamav3_ext:', exllamav3_ext.__file__, exllamav3_ext.MANIFEST)
 else:
     print('exllamav3 backend NOT checked:', why)"
-step "imports without vLLM" 45 "${PYTEST[@]}" tests/tools/test_gpu_check_imports.py
-step topology 30 "$PY" -m vllm_expert_offload.cli topology
+step "imports without vLLM" "${PYTEST[@]}" tests/tools/test_gpu_check_imports.py
+step topology "$PY" -m vllm_expert_offload.cli topology
 # The probe and the benchmark first: they answer the question the run is for (how fast kernels read host-tier
 # experts over PCIe against the copy engine and HBM); the tests after them, then the engine where vLLM exists.
 pick "$PY" benchmarks/gpu_bandwidth_probe.py --out "$RESULTS_DIR/probe.jsonl" \
     -- "$PY" benchmarks/gpu_bandwidth_probe.py --smoke --out "$RESULTS_DIR/probe.jsonl"
-step "bandwidth probe: HBM, pinned H2D copy, mapped host reads by size and per kernel pattern" 50 "${CMD[@]}"
+step "bandwidth probe: HBM, pinned H2D copy, mapped host reads by size and per kernel pattern" "${CMD[@]}"
 pick "$PY" benchmarks/bench_gpu_kernels.py --out "$RESULTS_DIR/bench.jsonl" --rooflines "$RESULTS_DIR/probe.jsonl" \
     --budget-s 125 -- "$PY" benchmarks/bench_gpu_kernels.py --smoke --out "$RESULTS_DIR/bench.jsonl" \
     --rooflines "$RESULTS_DIR/probe.jsonl"
-step "kernel benchmark: graph replays, Zipf routing, L2 cold, per backend beside fp16 and rooflines" 145 "${CMD[@]}"
+step "kernel benchmark: graph replays, Zipf routing, L2 cold, per backend beside fp16 and rooflines" "${CMD[@]}"
 pick "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" -- "${PYTEST[@]}" --collect-only -m gpu "${GPU_TESTS[@]}"
-step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay, CPU tier jobs" 120 "${CMD[@]}"
+step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay, CPU tier jobs" "${CMD[@]}"
 # Issue 20 item 4: every backend's forward under torch.compile with CUDA-graph capture (reduce-overhead) vs eager.
 pick "${PYTEST[@]}" -m gpu tests/kernels/test_compiled_gpu.py -- "${PYTEST[@]}" --collect-only -m gpu tests/kernels/test_compiled_gpu.py
-step "compiled forwards (torch.compile reduce-overhead) vs eager" 90 "${CMD[@]}"
+step "compiled forwards (torch.compile reduce-overhead) vs eager" "${CMD[@]}"
 ENGINE_STEPS=("tiny EXL3 MoE on the CUDA engine: V1/V2 runners, per backend, tokens vs HF"
               "tiny mixed pack (EXL3 experts, block-FP8 attention delegated to vLLM's fp8) on the CUDA engine")
 if "$PY" -c "import vllm" 2>/dev/null; then
     # Registered, not just importable: vLLM finds the plugin through its entry point in every process.
     pick "$PY" -m pip install -q --no-deps --no-build-isolation -e . -- echo "dry run: pip install -e . not run"
-    step "install the plugin (vLLM's entry point)" 60 "${CMD[@]}"
+    step "install the plugin (vLLM's entry point)" "${CMD[@]}"
     pick "$PY" scripts/gpu_engine_check.py -- echo "dry run: engine not started"
-    step "${ENGINE_STEPS[0]}" 300 "${CMD[@]}"
+    step "${ENGINE_STEPS[0]}" "${CMD[@]}"
     pick "$PY" scripts/gpu_engine_check.py --fp8-mixed -- echo "dry run: engine not started"
-    step "${ENGINE_STEPS[1]}" 150 "${CMD[@]}"
+    step "${ENGINE_STEPS[1]}" "${CMD[@]}"
 else
     for name in "${ENGINE_STEPS[@]}"; do skip "$name" "no vLLM on this machine"; done
 fi

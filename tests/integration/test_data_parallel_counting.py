@@ -63,8 +63,31 @@ def _engine_layer(**placement):
     return runtime(torch.ones(8, dtype=torch.bool), layer_index=3, **fields), counting.counts[3]
 
 
+class _DataParallelGroup:
+    """vLLM's DP group as the layer uses it: all_gatherv of every engine's rows in DP rank order; engine 0's mask is
+    `others`, this engine (rank 1) contributes its own."""
+
+    def __init__(self, others: list[bool]) -> None:
+        self.others = torch.tensor(others, dtype=torch.uint8)
+        self.calls: list[list[int]] = []
+
+    def all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        assert dim == 0 and tensor.dtype == torch.uint8 and sizes[1] == tensor.shape[0]
+        self.calls.append(sizes)
+        return torch.cat([self.others, tensor])
+
+
+def _dp_group(monkeypatch, others: list[bool]) -> _DataParallelGroup:
+    from vllm_expert_offload.integration.methods import moe_runtime
+
+    group = _DataParallelGroup(others)
+    monkeypatch.setattr(moe_runtime, "get_dp_group", lambda: group)
+    return group
+
+
 def test_the_moe_forward_counts_its_engines_real_rows_only(monkeypatch) -> None:
     layer, counts = _engine_layer()
+    _dp_group(monkeypatch, [False, False])
     gathered = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # engine 0's two tokens, then this engine's two
     _step(monkeypatch, [2, 2], [False, True])  # this engine's second row is padding
     layer.forward(torch.zeros(4, 4), torch.full((4, 2), 0.5), gathered)
@@ -72,8 +95,45 @@ def test_the_moe_forward_counts_its_engines_real_rows_only(monkeypatch) -> None:
     _step(monkeypatch, [2, 2], [True, True])  # a dummy batch: every row of this engine is padding
     layer.forward(torch.zeros(4, 4), torch.full((4, 2), 0.5), gathered)
     assert counts.tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
-    # the other engine's rows reach the kernel untouched (their padding is that engine's to know)
-    assert layer.kernel.calls[-1][1].tolist() == gathered.tolist()
+    assert layer.kernel.calls[-1][1].tolist() == [[0, 1], [2, 3], [-1, -1], [-1, -1]]
+
+
+def test_other_engines_padding_reaches_no_kernel_counter_or_cache(monkeypatch) -> None:
+    """Under data parallelism the batch holds every engine's rows; the layer all-gathers the engines' padding masks
+    (as vLLM gathers their tokens) so engine 0's padding rows, like this engine's, are -1 for the kernel (which
+    skips them and whose cache step neither counts nor ages by them) and the read counters: an idle engine's dummy
+    batch is all padding. Device work only (a replayed graph sees each step's masks)."""
+    layer, counts = _engine_layer(recording=False)
+    group = _dp_group(monkeypatch, [False, True, True])  # engine 0: one real token padded to 3
+    gathered = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 2]])
+    _step(monkeypatch, [3, 2], [True, False])  # this engine: its first row is padding
+    with NoHostSync():
+        layer.forward(torch.zeros(5, 4), torch.full((5, 2), 0.5), gathered)
+    assert group.calls == [[3, 2]]
+    assert layer.kernel.calls[-1][1].tolist() == [[0, 1], [-1, -1], [-1, -1], [-1, -1], [1, 2]]
+    reads = layer.placement.tier_counters.counts[0]
+    assert reads[:2].tolist() == [4, 0]  # two real tokens x top-2, all in the GPU tier
+    group.others = torch.ones(3, dtype=torch.uint8)  # engine 0 idle: its dummy batch
+    _step(monkeypatch, [3, 2], [True, True])  # and this one too: the whole batch is padding
+    layer.forward(torch.zeros(5, 4), torch.full((5, 2), 0.5), gathered)
+    assert (layer.kernel.calls[-1][1] == -1).all() and reads[:2].tolist() == [4, 0]
+
+
+def test_a_batch_not_gathered_in_engine_order_keeps_other_engines_rows_and_warns(monkeypatch, caplog) -> None:
+    """Sequence-parallel MoE or context parallelism gathers rows that are not the engines' shares in rank order:
+    their masks cannot be matched, so only the routing statistics leave padding out, and the layer says so once."""
+    from vllm_expert_offload.integration.methods import moe_runtime
+
+    layer, _ = _engine_layer(recording=False)
+    group = _dp_group(monkeypatch, [False, False])
+    _step(monkeypatch, [2, 2], [False, True])
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])  # 3 rows, not the 4 the shares add up to
+    monkeypatch.setattr(moe_runtime, "_UNMASKED", set())
+    with caplog.at_level("WARNING", logger="vllm.expert_offload"):
+        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), ids)
+        layer.forward(torch.zeros(3, 4), torch.full((3, 2), 0.5), ids)
+    assert group.calls == [] and layer.kernel.calls[-1][1].tolist() == ids.tolist()
+    assert len([r for r in caplog.records if "other engines' padding rows are computed" in r.message]) == 1
 
 
 def test_without_data_parallelism_padding_rows_reach_nothing(monkeypatch) -> None:

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from vllm_expert_offload.exl3 import Codebook, Exl3Linear, parse_linear
+from vllm_expert_offload.errors import InvalidValueError
 from vllm_expert_offload.kernels import rotated
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import grouped_blocks, per_row_blocks, single_matrix_blocks
 from vllm_expert_offload.kernels.linear import DequantizedLinear, LinearShard
-from vllm_expert_offload.kernels.matrix_table import MIXED_RATES, matrix_table, own_addresses
+from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses, present_key, present_values
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedLinear, rotated_moe
 from vllm_expert_offload.kernels.table_moe import TableMoE
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
@@ -119,8 +120,27 @@ def test_register_windows_form_is_bit_exact_in_the_interpreter() -> None:
 
 
 def test_mixed_rates_leave_the_rate_to_the_kernel() -> None:
-    layers = [parse_linear(make_layer(k, "mul1", 128, 128, seed=0)) for k in (3, 2.5)]
-    assert matrix_table(layers, own_addresses(layers), CPU).uniform_twice_k == MIXED_RATES
+    """A mixed table's constexpr names the rates it holds (the decode compiles those alone), its codebook the one
+    codebook they share."""
+    layers = [parse_linear(make_layer(k, "mul1", 128, 128, seed=0)) for k in (3, 2.5, 3)]
+    table = matrix_table(layers, own_addresses(layers), CPU)
+    assert table.uniform_twice_k == -(1 << 5 | 1 << 6) and present_values(table.uniform_twice_k) == (5, 6)
+    assert table.uniform_codebook == 2
+
+
+@pytest.mark.parametrize(("values", "key"), [((6,), 6), ((0,), 0), ((0, 1), -3), ((16, 2, 16), -(1 << 16 | 4)),
+                                             ((2, 0, 1), -7)])
+def test_present_key_round_trips(values: tuple[int, ...], key: int) -> None:
+    """One value is itself (0 too: the 3INST codebook id); several are minus their bit mask, never -1 or -2 (those
+    would read as one value), and present_values gives them back ascending."""
+    assert present_key(values) == key
+    assert present_values(key) == tuple(sorted(set(values)))
+
+
+@pytest.mark.parametrize("values", [(), (-1,), (3, -2)])
+def test_present_key_refuses_what_no_table_holds(values: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidValueError, match="non-negative"):
+        present_key(values)
 
 
 def test_decode_negative_control_wrong_codebook_differs(backend: MatmulBackend) -> None:

@@ -10,12 +10,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_expert_offload.kernels import cpu_exl3, triton_exl3  # noqa: F401  (register their launches)
 from vllm_expert_offload.kernels.launch_ops import LAUNCH_OPS, register_table_launch
-from vllm_expert_offload.kernels.matrix_table import MatrixTable
+from vllm_expert_offload.kernels.matrix_table import MatrixTable, present_key
 
 
 def _table(device: str) -> MatrixTable:
     return MatrixTable(torch.tensor([7, 9], device=device), torch.tensor([6, 5], dtype=torch.int32, device=device),
-                       torch.tensor([2, 1], dtype=torch.int32, device=device), -1, 128, 256)
+                       torch.tensor([2, 1], dtype=torch.int32, device=device), present_key((2, 1)), 128, 256,
+                       present_key((6, 5)))
 
 
 def _probe() -> tuple[list, object]:
@@ -33,7 +34,7 @@ def test_launch_runs_on_cpu_with_the_table_intact() -> None:
     table, out = _table("cpu"), torch.zeros(2, 4)
     op(torch.zeros(2, 128), torch.zeros(32, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), table, out)
     (seen,) = calls
-    assert (seen.uniform_codebook, seen.in_features, seen.out_features) == (-1, 128, 256)
+    assert (seen.uniform_codebook, seen.in_features, seen.out_features, seen.uniform_twice_k) == (-6, 128, 256, -96)
     assert all(torch.equal(getattr(seen, f), getattr(table, f)) for f in ("trellis", "twice_k", "codebook"))
     assert (out == 1).all()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_expert_offload.kernels import triton_moe
+from vllm_expert_offload.kernels.matrix_table import present_key
 from vllm_expert_offload.kernels.static_spec import LayerShape
 from vllm_expert_offload.kernels.triton_fused import SHARED_PER_BLOCK
 from vllm_expert_offload.tools import static_kernels
@@ -36,10 +37,13 @@ def test_stages_are_the_deepest_that_fit(twice_k: int, dot_fp16: bool, limit: in
         assert triton_moe.gate_up_shared_bytes(twice_k, dot_fp16, stages) <= limit
 
 
-def test_a_mixed_table_is_sized_for_k_8() -> None:
-    """2K of 0 is a table read per matrix, which may hold K = 8: as wide as the widest rate."""
-    assert triton_moe.gate_up_stages(0, 6, False, SM120) == triton_moe.gate_up_stages(16, 16, False, SM120) == 2
-    assert triton_moe.gate_up_stages(6, 0, False, SM120) == 2
+def test_a_mixed_table_is_sized_for_its_widest_rate() -> None:
+    """A mixed table's present_key names its rates: sized as its widest (K = 8 takes 2 stages on sm_120 in fp32,
+    K = 4 at most takes 3)."""
+    with_k8 = present_key((6, 16))
+    assert triton_moe.gate_up_stages(with_k8, 6, False, SM120) == triton_moe.gate_up_stages(16, 16, False, SM120) == 2
+    assert triton_moe.gate_up_stages(6, with_k8, False, SM120) == 2
+    assert triton_moe.gate_up_stages(present_key((4, 6, 8)), 6, False, SM120) == 3
 
 
 @pytest.mark.parametrize(("limit", "stages"), [(SM120, 2), (SM90, 3)])

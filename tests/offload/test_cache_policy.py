@@ -89,6 +89,48 @@ def test_padding_ids_are_neither_counted_nor_filled(policy: str) -> None:
     assert cache.slot_of_expert.tolist().count(-1) == (3 if policy != "off" else 4)
 
 
+def _state(cache: ExpertCache) -> list[torch.Tensor]:
+    """Everything a step may change: assignment, scores, both decayed scales, the advantage, the LRU clock."""
+    return [t.clone() for t in (cache.slot_of_expert, cache.expert_of_slot, cache._score, cache._scales,
+                                cache._advantage, cache._clock)]
+
+
+def _warm(policy: str, layers: int | None = None) -> ExpertCache:
+    cache = ExpertCache(CacheSettings(policy, half_life_tokens=2.0), num_experts=6, slots=2, device="cpu",
+                        layers=layers)
+    for ids in ([[0, 1], [2, 1]], [[3, 4]], [[0, 5], [1, 2], [4, 3]]):
+        cache.step(torch.tensor(ids if layers is None else [ids] * layers))
+    return cache
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_an_all_padding_step_leaves_the_policy_as_it_was(policy: str, tokens: int) -> None:
+    """A replayed dummy batch or an idle data-parallel engine's (every row padding, ids -1) reads nothing, so it
+    must not age the decayed counts or advance the LRU clock either: the next real step decides as without it."""
+    cache = _warm(policy)
+    before = _state(cache)
+    assert _step(cache, [[-1, -1]] * tokens)[3:] == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(cache))), policy
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_padding_rows_age_nothing_beside_real_ones(policy: str) -> None:
+    """A captured size's tail: 2 real tokens padded to 5 rows ages the policy as those 2 tokens alone (LRU stamps
+    count real tokens only), here and in a following step that tells the policies' choices apart; on a layer axis
+    too, where each layer's real tokens count for it."""
+    alone, padded = _warm(policy), _warm(policy)
+    assert _step(alone, [[5, 2], [0, 3]]) == _step(padded, [[5, 2], [-1, -1], [0, 3], [-1, -1], [-1, -1]])
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(_state(alone), _state(padded)))
+    assert _step(alone, [[4, 1]]) == _step(padded, [[4, 1]])
+    layered = _warm(policy, layers=2)
+    layered.step(torch.tensor([[[5, 2], [0, 3], [-1, -1]], [[-1, -1], [-1, -1], [-1, -1]]]))
+    one = _warm(policy)
+    one.step(torch.tensor([[5, 2], [0, 3]]))
+    assert torch.allclose(layered._clock[0], one._clock[0]) and torch.allclose(layered._scales[:, 0], one._scales[:, 0])
+    assert torch.equal(layered._scales[:, 1], _warm(policy, layers=2)._scales[:, 1])  # layer 1: all padding
+
+
 def test_off_counts_reads_and_never_fills() -> None:
     initial = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
     cache = ExpertCache(CacheSettings("off"), num_experts=4, slots=2, device="cpu", initial=initial)

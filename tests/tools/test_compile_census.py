@@ -62,9 +62,11 @@ def test_a_recorded_variant_compiles_as_launched() -> None:
 
 def test_every_codebook_and_mixed_rates_census() -> None:
     """A layer mixing K and all three codebooks (the GPU tests' layer, fp32): its table is mixed, so gate/up and
-    down compile their mixed-rate variants, as many as a uniform layer's."""
+    down compile their mixed-rate variants, as many as a uniform layer's, each keyed by the rates and codebooks the
+    layer holds (2K 4, 5, 6, 8, 10; all three codebooks), whose decode branches alone it compiles."""
     layer = compile_census.CensusLayer("mixed", 128, 256, 6, 2, ((3, "mul1"), (2.5, "mul1"), (4, "mcg"),
                                                                  (2, "3inst"), (5, "mul1")), "fp32")
     variants = compile_census.layer_variants(layer, 120, (1, 8, 9, 64, 300))
     gate_up = [dict((p, spec) for p, _, spec in key[1]) for key in variants if key[0] == "moe_gate_up_kernel"]
-    assert len(gate_up) == 3 and all(v["TWICE_K_GATE"] == 0 and v["CODEBOOK_GATE"] == -1 for v in gate_up)
+    rates, codebooks = -(1 << 4 | 1 << 5 | 1 << 6 | 1 << 8 | 1 << 10), -(1 | 2 | 4)
+    assert len(gate_up) == 3 and all(v["TWICE_K_GATE"] == rates and v["CODEBOOK_GATE"] == codebooks for v in gate_up)

@@ -7,7 +7,7 @@ copy inside a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +18,28 @@ from ..exl3.tensors import Exl3Linear
 
 CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 CODEBOOK_IDS_BY_NAME = {codebook.value: cid for codebook, cid in CODEBOOK_IDS.items()}  # "3inst", "mcg", "mul1"
-MIXED_CODEBOOKS = -1
-MIXED_RATES = 0
+
+
+def present_key(values: Iterable[int]) -> int:
+    """A launch's constexpr for a per-matrix value (2K, or a codebook id) over the matrices it may read: the common
+    value (>= 0) where they share one, else minus the bit mask of the values present (bit v set for value v; at
+    least two bits, so <= -3). Why: the kernels branch per matrix on a mixed table's value at run time, and each
+    branch of the decode is compiled at every call site; with every rate's branch (11) a mixed-K gate/up variant
+    took 2,558 s to compile for sm_90, ~50x a uniform one's. The mask lets the decode compile only the branches
+    of the values the table holds (`triton_decode.decode_block`)."""
+    present = sorted(set(values))
+    if not present or present[0] < 0:
+        raise InvalidValueError(f"a table's 2K / codebook ids must be non-negative and present, got {present}")
+    if len(present) == 1:
+        return present[0]
+    return -sum(1 << v for v in present)
+
+
+def present_values(key: int) -> tuple[int, ...]:
+    """The values a `present_key` stands for, ascending."""
+    if key >= 0:
+        return (key,)
+    return tuple(v for v in range((-key).bit_length()) if (-key) >> v & 1)
 
 
 @dataclass(frozen=True)
@@ -27,10 +47,14 @@ class MatrixTable:
     trellis: torch.Tensor  # int64 (matrices,): address of each trellis, as the kernel dereferences it
     twice_k: torch.Tensor  # int32 (matrices,): 2K, so 1.5/2.5/3.5 bits stay integers
     codebook: torch.Tensor  # int32 (matrices,): CODEBOOK_IDS
-    uniform_codebook: int  # the common codebook id, or MIXED_CODEBOOKS (the kernel then reads `codebook`)
+    # present_key of the codebook ids: the common id, or (a mixed table) the ids present, whose branches alone the
+    # kernel compiles (it then reads `codebook`)
+    uniform_codebook: int
     in_features: int  # padded, common to every matrix
     out_features: int
-    uniform_twice_k: int = MIXED_RATES  # the common 2K, or MIXED_RATES (the kernel then reads `twice_k`)
+    # present_key of the 2K values: the common 2K, or (a mixed table) the rates present, whose decode branches alone
+    # the kernel compiles (it then reads `twice_k`)
+    uniform_twice_k: int
 
 
 def matrix_table(
@@ -52,10 +76,10 @@ def matrix_table(
         trellis=torch.as_tensor(trellis_addresses, dtype=torch.int64, device=device),
         twice_k=torch.tensor(twice_k, dtype=torch.int32, device=device),
         codebook=torch.tensor(ids, dtype=torch.int32, device=device),
-        uniform_codebook=ids[0] if len(set(ids)) == 1 else MIXED_CODEBOOKS,
+        uniform_codebook=present_key(ids),
         in_features=in_features,
         out_features=out_features,
-        uniform_twice_k=twice_k[0] if len(set(twice_k)) == 1 else MIXED_RATES,
+        uniform_twice_k=present_key(twice_k),
     )
 
 

@@ -1,11 +1,12 @@
 """The in-register EXL3 decode every Triton kernel of the plugin shares: `decode_block`.
 
-`decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N)` returns W_hat[k0:k0+BLOCK_K,
-n0:n0+BLOCK_N] in fp16, bit-exact (tested against `exl3.decode`), for one matrix whose trellis starts at the
-int64 address `trellis` (as a pointer table holds it: VRAM or the host arena's UVA alias alike). k0 and n0
-are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. K (as 2K, so
-1.5/2.5/3.5 stay integers) and the codebook may each be a constexpr (one compiled path) or a runtime scalar, uniform
-across the block (a branch per rate or codebook, of which one runs).
+`decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N, RATES, CODEBOOKS)` returns
+W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] in fp16, bit-exact (tested against `exl3.decode`), for one matrix whose trellis
+starts at the int64 address `trellis` (as a pointer table holds it: VRAM or the host arena's UVA alias alike). k0 and
+n0 are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. K (as 2K, so
+1.5/2.5/3.5 stay integers) and the codebook are runtime scalars, uniform across the block, chosen among the values
+the constexprs RATES and CODEBOOKS allow (matrix_table.present_key: one value, compiled alone, or the set a mixed
+table holds: a branch per value present, of which one runs; no branch is compiled for a value the table lacks).
 
 How it decodes (exl3-format.md §2.3-2.7), in ring order rather than tile order:
 - A tile's 256 weights sit on a ring: weight p's 16-bit state is the window of the MSB-first bit stream ending at
@@ -85,15 +86,45 @@ def _mul1(state):
 
 
 @triton.jit
-def _codebook_value(state, codebook):
-    """16-bit states (uint32) -> fp16 weights. `codebook` may be a constexpr (one path compiled) or a runtime scalar,
-    uniform over the block (a branch per codebook, one taken)."""
-    if codebook == 2:
+def _codebook(state, CODEBOOK: tl.constexpr):
+    """16-bit states (uint32) -> fp16 weights by one codebook (matrix_table.CODEBOOK_IDS)."""
+    if CODEBOOK == 2:
         w = _mul1(state)
-    elif codebook == 0:
+    elif CODEBOOK == 0:
         w = _halves_sum(state * 89226354 + 64248484)
     else:
         w = _halves_sum(state * 0xCBAC1FED)
+    return w
+
+
+@triton.constexpr_function
+def first_present(key):
+    """The smallest value a present_key (matrix_table.py: the value, or minus the bit mask of the values) allows."""
+    return key if key >= 0 else ((-key) & key).bit_length() - 1
+
+
+@triton.constexpr_function
+def other_present(key):
+    """The present_key of the values `key` allows but its smallest; -1 where it allows only that one."""
+    rest = 0 if key >= 0 else (-key) & (-key - 1)  # the mask without its lowest bit
+    if rest == 0:
+        return -1
+    return rest.bit_length() - 1 if rest & (rest - 1) == 0 else -rest
+
+
+@triton.jit
+def _codebook_value(state, codebook, CODEBOOKS: tl.constexpr):
+    """16-bit states (uint32) -> fp16 weights by the runtime `codebook`, one of the ids CODEBOOKS (a present_key)
+    allows: the last allowed is taken without a test, so a uniform table compiles one path and no branch."""
+    FIRST: tl.constexpr = first_present(CODEBOOKS)
+    REST: tl.constexpr = other_present(CODEBOOKS)
+    if REST == -1:
+        w = _codebook(state, FIRST)
+    else:
+        if codebook == FIRST:
+            w = _codebook(state, FIRST)
+        else:
+            w = _codebook_value(state, codebook, REST)
     return w
 
 
@@ -170,8 +201,8 @@ def _gathered_states(trellis, k0, n0, size_n, TWICE_K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, CODEBOOKS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """decode_block for one compile-time K."""
     if not _REGISTER_WINDOWS:
         states = _gathered_states(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
@@ -186,7 +217,7 @@ def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK
             states = _ring_states(aligned, 0, 32, 1, TWICE_K)
         else:
             states = _ring_states(words, 0, 32, 1, TWICE_K)
-    w = _codebook_value(states, codebook)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
+    w = _codebook_value(states, codebook, CODEBOOKS)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
     # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
     w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
     w = tl.permute(w, (0, 8, 5, 6, 9, 1, 7, 2, 3, 4))
@@ -195,13 +226,13 @@ def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, BLOCK
 
 @triton.jit
 def matrix_rate(twice_k_ptr, codebook_ptr, TWICE_K: tl.constexpr, CODEBOOK: tl.constexpr):
-    """(2K, codebook) of one matrix: the compile-time values where a launch's matrices share them (TWICE_K > 0,
-    CODEBOOK >= 0; decode_block then compiles that rate alone), else read from its table entries."""
-    if TWICE_K == 0:
+    """(2K, codebook) of one matrix: the compile-time values where a launch's matrices share them (the present_keys
+    TWICE_K, CODEBOOK >= 0), else read from its table entries."""
+    if TWICE_K < 0:
         twice_k = tl.load(twice_k_ptr).to(tl.int32)
     else:
         twice_k = TWICE_K
-    if CODEBOOK == -1:
+    if CODEBOOK < 0:
         codebook = tl.load(codebook_ptr).to(tl.int32)
     else:
         codebook = CODEBOOK
@@ -209,29 +240,19 @@ def matrix_rate(twice_k_ptr, codebook_ptr, TWICE_K: tl.constexpr, CODEBOOK: tl.c
 
 
 @triton.jit
-def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RATES: tl.constexpr, CODEBOOKS: tl.constexpr):
     """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`.
-    Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py); a constexpr `twice_k` compiles its branch alone."""
-    if twice_k == 6:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 6, BLOCK_K, BLOCK_N)
-    elif twice_k == 4:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 4, BLOCK_K, BLOCK_N)
-    elif twice_k == 8:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 8, BLOCK_K, BLOCK_N)
-    elif twice_k == 5:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 5, BLOCK_K, BLOCK_N)
-    elif twice_k == 7:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 7, BLOCK_K, BLOCK_N)
-    elif twice_k == 10:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 10, BLOCK_K, BLOCK_N)
-    elif twice_k == 3:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 3, BLOCK_K, BLOCK_N)
-    elif twice_k == 2:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 2, BLOCK_K, BLOCK_N)
-    elif twice_k == 12:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 12, BLOCK_K, BLOCK_N)
-    elif twice_k == 14:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 14, BLOCK_K, BLOCK_N)
+    Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py), `twice_k` = 2K one of those RATES (a present_key) allows;
+    the last allowed is decoded without a test, so a uniform table compiles its one rate and no branch, and a mixed
+    one a branch per rate it holds."""
+    FIRST: tl.constexpr = first_present(RATES)
+    REST: tl.constexpr = other_present(RATES)
+    if REST == -1:
+        w = _decode_rate(trellis, k0, n0, size_n, codebook, FIRST, CODEBOOKS, BLOCK_K, BLOCK_N)
     else:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, 16, BLOCK_K, BLOCK_N)
+        if twice_k == FIRST:
+            w = _decode_rate(trellis, k0, n0, size_n, codebook, FIRST, CODEBOOKS, BLOCK_K, BLOCK_N)
+        else:
+            w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N, REST, CODEBOOKS)
     return w

@@ -110,8 +110,10 @@ def dequantize_kernel(
                 if FILL:
                     if fill != 0:
                         write_through(trellis, fill, k0, n0, size_n, twice_k)
-                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE)
-                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE)
+                lo = decode_block(trellis, k0, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K_TABLE,
+                                  CODEBOOK_TABLE)
+                hi = decode_block(trellis, k0 + HALF, n0, size_n, twice_k, codebook, HALF, _PIECE, TWICE_K_TABLE,
+                                  CODEBOOK_TABLE)
                 piece = dst + k0 * out_stride + n0 - n_first
                 if FOLD:
                     store_folded(lo, hi, piece, out_stride, SPLIT)

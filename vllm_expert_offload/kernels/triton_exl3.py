@@ -30,7 +30,7 @@ from ..errors import InvalidValueError
 from .contract import Backend
 from .launch_ops import register_table_launch
 from .launch_spec import ACTIVATION, Arg, LaunchArgs, LaunchSpec, arg, constexpr, pointer, strided
-from .matrix_table import CODEBOOK_IDS, MIXED_CODEBOOKS, MIXED_RATES, MatrixTable
+from .matrix_table import CODEBOOK_IDS, MatrixTable, present_key
 from .rotated import MatmulBackend
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import decode_block, matrix_rate
@@ -62,7 +62,7 @@ def exl3_matmul_kernel(
         for k0 in range(0, size_k, BLOCK_K):
             offs_k = k0 + offs_kb
             a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None], other=0.0)
-            w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N)
+            w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N, TWICE_K, CODEBOOK)
             if DOT_FP16:
                 acc += tl.dot(a.to(tl.float16), w)
             else:
@@ -134,12 +134,13 @@ _launch_kernel = register_table_launch("exl3_matmul_triton", _exl3_matmul_grid)
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """Every variant of `exl3_matmul_kernel` the backend launches for `shape`'s K (kernels/static_spec.py): each
     codebook as a constexpr and the mixed-table one, with fp16 products (fp16 and bf16 models: bf16 inputs are
-    rounded to fp16) and exact fp32 ones (fp32 models); and the mixed-K one (MUL1 and mixed codebooks, fp16),
-    which holds every rate's branch in its loop. Sizes are runtime arguments."""
-    codebooks = {cb.value: cid for cb, cid in CODEBOOK_IDS.items()} | {"mixed": MIXED_CODEBOOKS}
+    rounded to fp16) and exact fp32 ones (fp32 models); and the mixed-K one (MUL1 and mixed codebooks, fp16) of a
+    table holding K = 2, 3 and 4, which holds those rates' branches in its loop. Sizes are runtime arguments."""
+    codebooks = {cb.value: cid for cb, cid in CODEBOOK_IDS.items()} | {"mixed": present_key(CODEBOOK_IDS.values())}
     variants = [(f"{name},{dtype}", cid, int(2 * shape.k_bits), dtype)
                 for dtype in ("fp16", "fp32") for name, cid in codebooks.items()]
-    variants += [(f"{name},mixed-k,fp16", codebooks[name], MIXED_RATES, "fp16") for name in ("mul1", "mixed")]
+    mixed_k = present_key((4, 6, 8))
+    variants += [(f"{name},mixed-k,fp16", codebooks[name], mixed_k, "fp16") for name in ("mul1", "mixed")]
     return [
         StaticKernel(
             name=f"exl3_matmul[{label}]", fn=exl3_matmul_kernel, signature=MATMUL.signature(f"*{dtype}"),

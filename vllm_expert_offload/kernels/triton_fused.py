@@ -103,29 +103,32 @@ def product(acc, a, w, DOT_FP16: tl.constexpr):
 
 @triton.jit
 def rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
-                   DOT_FP16: tl.constexpr, ROTATE: tl.constexpr = True):
+                   RATES: tl.constexpr, CODEBOOKS: tl.constexpr, DOT_FP16: tl.constexpr, ROTATE: tl.constexpr = True):
     """(acc + had([s_lo | s_hi]) @ W_hat[k0:+128, n0:+128], acc_second + the same with the piece at n0 + 128 where
     `second`) for one 128-wide input piece held as two (M, 64) fp32 halves, `signs` = hadamard_signs(64); without
-    ROTATE the halves are already rotated (the down kernel's input when the gate/up kernel finished it).
+    ROTATE the halves are already rotated (the down kernel's input when the gate/up kernel finished it). RATES,
+    CODEBOOKS: the values twice_k and codebook may take (`decode_block`).
 
     H128 = [[S, S], [S, -S]] / √128, so had([lo | hi]) = [(lo + hi) @ S, (lo - hi) @ S] / √128: one butterfly and
     two 64-point products. Each rotated half meets the 64 x 128 half of W_hat's piece (or pieces) it multiplies
     before the other half is rotated, so one rotated half and one decoded half (a 64 x 128 block is 256 tile
     groups: one per thread, the decode's design) are live at a time."""
     acc, acc_second = _half_products(acc, acc_second, rotate(s_lo + s_hi, signs, DOT_FP16) if ROTATE else s_lo,
-                                     trellis, k0, n0, size_n, twice_k, codebook, second, DOT_FP16)
+                                     trellis, k0, n0, size_n, twice_k, codebook, second, RATES, CODEBOOKS, DOT_FP16)
     return _half_products(acc, acc_second, rotate(s_lo - s_hi, signs, DOT_FP16) if ROTATE else s_hi, trellis,
-                          k0 + HALF, n0, size_n, twice_k, codebook, second, DOT_FP16)
+                          k0 + HALF, n0, size_n, twice_k, codebook, second, RATES, CODEBOOKS, DOT_FP16)
 
 
 @triton.jit
-def _half_products(acc, acc_second, x, trellis, k, n0, size_n, twice_k, codebook, second, DOT_FP16: tl.constexpr):
+def _half_products(acc, acc_second, x, trellis, k, n0, size_n, twice_k, codebook, second, RATES: tl.constexpr,
+                   CODEBOOKS: tl.constexpr, DOT_FP16: tl.constexpr):
     """(acc + x @ W_hat[k:+64, n0:+128], acc_second + x @ W_hat[k:+64, n0+128:+128] where `second`): one rotated
     input half times the row half of the piece (or of both pieces of a pair) it meets."""
-    acc = product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF), DOT_FP16)
+    acc = product(acc, x, decode_block(trellis, k, n0, size_n, twice_k, codebook, HALF, 2 * HALF, RATES, CODEBOOKS),
+                  DOT_FP16)
     if second:
         acc_second = product(acc_second, x, decode_block(trellis, k, n0 + 128, size_n, twice_k, codebook, HALF,
-                                                         2 * HALF), DOT_FP16)
+                                                         2 * HALF, RATES, CODEBOOKS), DOT_FP16)
     return acc, acc_second
 
 

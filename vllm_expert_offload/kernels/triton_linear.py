@@ -30,7 +30,7 @@ from ..exl3.hadamard import hadamard_128, hadamard_last
 from .contract import LinearLayer
 from .launch_spec import ACTIVATION, Arg, LaunchArgs, LaunchSpec, constexpr, pointer, strided
 from .linear import LinearShard
-from .matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME, MIXED_CODEBOOKS, MIXED_RATES, matrix_table, own_addresses
+from .matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME, matrix_table, own_addresses, present_key
 from .static_spec import LayerShape, StaticKernel
 from .triton_decode import matrix_rate
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES, dequantize
@@ -75,7 +75,7 @@ def linear_kernel(
         a_lo, a_hi = load_row_halves(x_rows, row_ok, k0, in_offset + in_size, in_offset)
         suh_lo, suh_hi = load_vector_halves(suh_ptr + suh_at, k0)
         acc, acc_second = rotated_pieces(acc, acc_second, a_lo * suh_lo, a_hi * suh_hi, signs, trellis, k0, n0, size_n,
-                                         twice_k, codebook, second, DOT_FP16)
+                                         twice_k, codebook, second, TWICE_K, CODEBOOK, DOT_FP16)
     signs = hadamard_signs(128)
     _store_piece(out_ptr, stride_om, partial_ptr, partial_cols, rows, offs_m, row_ok, piece, part, n0, acc,
                  signs, svh_ptr, DOT_FP16, DIRECT)
@@ -204,10 +204,8 @@ class FusedTritonLinear:
         self.source = torch.tensor(source, dtype=torch.int32, device=device)
         self.suh = torch.cat([s.layer.suh for s in self.shards]).to(device)
         self.svh = torch.cat([s.layer.svh for s in self.shards]).to(device)
-        codebooks = {CODEBOOK_IDS[s.layer.codebook] for s in self.shards}
-        self.codebook = codebooks.pop() if len(codebooks) == 1 else MIXED_CODEBOOKS
-        rates = {int(2 * s.layer.k) for s in self.shards}
-        self.twice_k = rates.pop() if len(rates) == 1 else MIXED_RATES
+        self.codebook = present_key(CODEBOOK_IDS[s.layer.codebook] for s in self.shards)
+        self.twice_k = present_key(int(2 * s.layer.k) for s in self.shards)
         self.out_features = len(source)
         self.partial_cols = sum(s.layer.out_features for s in self.shards)
         self.dot_fp16 = dtype in (torch.float16, torch.bfloat16)

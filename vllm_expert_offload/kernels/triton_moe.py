@@ -56,7 +56,7 @@ from .contract import ExpertCrop, MoELayer
 from .expert_blocks import blocks_where, grouped_blocks, slot_counts
 from .expert_slots import ExpertSlots
 from .launch_spec import ACTIVATION, LaunchArgs, LaunchSpec, arg, constexpr, derived, pointer, strided
-from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table
+from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table, present_values
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
 from .triton_fused import (HALF, MATMUL_WARPS, PIECE, SHARED_PER_BLOCK, WORKSPACES, fill_target, hadamard_signs,
@@ -102,17 +102,18 @@ def _block_rows(ids_ptr, stride_i0, stride_i1, row_ids_ptr, block_matrix_ptr, bl
 
 @triton.jit
 def _step(acc, acc_second, s_lo, s_hi, signs, trellis, twice_k, codebook, fill, k0, n0, size_n, write, second,
-          DOT_FP16: tl.constexpr, FILL: tl.constexpr, ROTATE: tl.constexpr = True):
+          RATES: tl.constexpr, CODEBOOKS: tl.constexpr, DOT_FP16: tl.constexpr, FILL: tl.constexpr,
+          ROTATE: tl.constexpr = True):
     """One input piece of one matrix (`rotated_pieces`: s rotated in, times the piece at n0 and, where `second`,
     at n0 + 128); the pieces' trellis words copied to the matrix's fill address first when this program writes
-    through and there is one."""
+    through and there is one. RATES, CODEBOOKS: the table's present_keys (the decode's branches)."""
     if FILL:
         if write & (fill != 0):
             write_through(trellis, fill, k0, n0, size_n, twice_k)
             if second:
                 write_through(trellis, fill, k0, n0 + 128, size_n, twice_k)
     return rotated_pieces(acc, acc_second, s_lo, s_hi, signs, trellis, k0, n0, size_n, twice_k, codebook, second,
-                          DOT_FP16, ROTATE)
+                          RATES, CODEBOOKS, DOT_FP16, ROTATE)
 
 
 @triton.jit
@@ -179,10 +180,11 @@ def moe_gate_up_kernel(
                 a_hi = a_hi * route.to(tl.float32)[:, None]
             suh_lo, suh_hi = load_vector_halves(suh_gate_ptr + matrix * size_k, k0)
             acc_gate, acc_gate_second = _step(acc_gate, acc_gate_second, a_lo * suh_lo, a_hi * suh_hi, signs, *gate,
-                                              k0, n0, size_n, first, second, DOT_FP16, FILL)
+                                              k0, n0, size_n, first, second, TWICE_K_GATE, CODEBOOK_GATE, DOT_FP16,
+                                              FILL)
             suh_lo, suh_hi = load_vector_halves(suh_up_ptr + matrix * size_k, k0)
             acc_up, acc_up_second = _step(acc_up, acc_up_second, a_lo * suh_lo, a_hi * suh_hi, signs, *up, k0, n0,
-                                          size_n, first, second, DOT_FP16, FILL)
+                                          size_n, first, second, TWICE_K_UP, CODEBOOK_UP, DOT_FP16, FILL)
         signs = hadamard_signs(128)
         svh_gate = svh_gate_ptr + matrix * size_n
         svh_up = svh_up_ptr + matrix * size_n
@@ -234,7 +236,7 @@ def moe_down_kernel(
             if FINISHED:  # the gate/up kernel's one part left down's rotated input
                 x_lo, x_hi = load_row_halves(act_rows, row_ok, k0, size_k, 0, True)
                 acc, acc_second = _step(acc, acc_second, x_lo, x_hi, signs, *down, k0, n0, size_n, first, second,
-                                        DOT_FP16, FILL, False)
+                                        TWICE_K_DOWN, CODEBOOK_DOWN, DOT_FP16, FILL, False)
             else:
                 gate_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
                 gate_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
@@ -256,7 +258,7 @@ def moe_down_kernel(
                 act_lo = activation(gate_lo, up_lo, swiglu_limit, CLAMP) * suh_lo
                 act_hi = activation(gate_hi, up_hi, swiglu_limit, CLAMP) * suh_hi
                 acc, acc_second = _step(acc, acc_second, act_lo, act_hi, signs, *down, k0, n0, size_n, first, second,
-                                        DOT_FP16, FILL)
+                                        TWICE_K_DOWN, CODEBOOK_DOWN, DOT_FP16, FILL)
         signs = hadamard_signs(128)
         route = None  # applied on the input
         if not ROUTE_ON_INPUT:
@@ -306,10 +308,11 @@ def gate_up_shared_bytes(twice_k: int, dot_fp16: bool, stages: int) -> int:
 
 def gate_up_stages(twice_k_gate: int, twice_k_up: int, dot_fp16: bool, limit: int | None) -> int:
     """Pipeline stages of moe_gate_up_kernel: the deepest (at most MAX_STAGES) whose shared memory fits the
-    device's `limit` per block (None: no limit, the interpreter). A mixed table (2K of 0: read per matrix) may hold
-    K = 8. Why: at Triton's default of 3, an fp32 model's gate/up needs 102,400 B at K = 5 and 126,976 B at K = 8,
-    more than sm_120's 101,376 B: the launch would fail with OutOfResources in vLLM's profile run."""
-    widest = max(twice_k_gate or 16, twice_k_up or 16)
+    device's `limit` per block (None: no limit, the interpreter). `twice_k_*` are the tables' present_keys: a mixed
+    table is sized for the widest rate it holds. Why: at Triton's default of 3, an fp32 model's gate/up needs
+    102,400 B at K = 5 and 126,976 B at K = 8, more than sm_120's 101,376 B: the launch would fail with
+    OutOfResources in vLLM's profile run."""
+    widest = max(present_values(twice_k_gate)[-1], present_values(twice_k_up)[-1])
     for stages in range(MAX_STAGES, 1, -1):
         if limit is None or gate_up_shared_bytes(widest, dot_fp16, stages) <= limit:
             return stages

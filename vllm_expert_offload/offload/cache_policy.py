@@ -14,6 +14,10 @@ Why it looks the way it does:
   tokens T, k and the slots S only, -1 padding), state updated in place, and no op that reads device data on the
   host (no `.item()`, `nonzero`, `unique`, boolean-mask indexing); the meta-device proof checks this.
 - Decay is counted in tokens seen, not time, so a replay and a server make the same decisions for the same routing.
+  A token is seen when it reads one of the layer's experts: a padding row (every id -1: a captured size's tail, an
+  idle data-parallel engine's dummy batch, replayed) neither reads nor ages anything, so an all-padding step leaves
+  the policy as it was (under expert parallelism a token routed only to other ranks' experts is not this rank's
+  either). Counted on the device: a replayed graph's T is the captured size, not the step's tokens.
 - An expert selected in this step is never evicted (a kernel may be reading its slot while a fill writes another
   slot), pinned experts are never evicted, at most `slots` experts are resident, and only experts read from the host
   in this step are filled (that is what makes the fill free: the kernel already has the bytes).
@@ -126,10 +130,9 @@ class ExpertCache:
         # decayed-LFU's two time scales and, per layer, which one would have served more reads lately
         self._scales = torch.zeros(2, rows, num_experts, dtype=torch.float64, device=self.device)
         self._advantage = torch.zeros(rows, dtype=torch.float64, device=self.device)
-        self._clock = torch.zeros((), dtype=torch.float64, device=self.device)  # tokens seen (LRU stamps)
+        self._clock = torch.zeros(rows, dtype=torch.float64, device=self.device)  # tokens seen (LRU stamps)
         self._pinned = self._pinned.to(self.device)
         self._rows = torch.arange(rows, device=self.device)[:, None]
-        self._decay_cache: dict[tuple[int, float], float] = {}
 
     def _per_layer(self, value: torch.Tensor | None, dtype: torch.dtype, fill: object, rows: int,
                    name: str) -> torch.Tensor:
@@ -164,13 +167,10 @@ class ExpertCache:
         digest = torch.stack([(slots * weights).sum(-1), (scores * weights).sum(-1)], dim=-1)
         return digest[0] if self.layers is None else digest
 
-    def _decay(self, tokens: int, scale: float) -> float:
-        """Factor that ages a decayed count by `tokens` tokens at `scale` x the half-life (host numbers: T is a
-        shape, not data)."""
-        key = (tokens, scale)
-        if key not in self._decay_cache:
-            self._decay_cache[key] = 0.5 ** (tokens / (scale * self.settings.half_life_tokens))
-        return self._decay_cache[key]
+    def _decay(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Factors (rows,) that age each layer's decayed counts by its `tokens` (seen this step, float64 on the
+        device) at `scale` x the half-life: 1 exactly where none was seen."""
+        return torch.exp2(tokens * (-1.0 / (scale * self.settings.half_life_tokens)))
 
     def step(self, topk_ids: torch.Tensor) -> CacheStep:
         """Count this forward's reads, update the policy and install the missed experts it admits; device ops only.
@@ -180,6 +180,7 @@ class ExpertCache:
         ids = topk_ids.reshape(-1, *topk_ids.shape[-2:]) if self.layers is not None else topk_ids[None]
         rows, tokens, k = ids.shape
         ids = ids.long()
+        seen = (ids >= 0).any(-1)  # (rows, T): tokens that read one of the layer's experts (not padding)
         ids = torch.where(ids < 0, self.num_experts, ids)  # padding counts into a sink column, dropped below
         reads = torch.zeros(rows, self.num_experts + 1, dtype=torch.int64, device=self.device)
         reads.scatter_add_(1, ids.reshape(rows, -1), torch.ones_like(ids).reshape(rows, -1))
@@ -189,7 +190,7 @@ class ExpertCache:
         hits = torch.where(resident, reads, 0).sum(-1)
         misses = torch.where(resident, 0, reads).sum(-1)
         selected = reads > 0
-        self._update_scores(ids, reads, selected, tokens)
+        self._update_scores(ids, reads, selected, seen)
         fills = min(tokens * k, self.slots)
         if self.settings.enabled and fills:
             fill_expert, fill_slot, evicted = self._choose(selected, resident, fills)
@@ -201,27 +202,30 @@ class ExpertCache:
             result = tuple(t[0] for t in result)
         return CacheStep(*result)
 
-    def _update_scores(self, ids: torch.Tensor, reads: torch.Tensor, selected: torch.Tensor, tokens: int) -> None:
+    def _update_scores(self, ids: torch.Tensor, reads: torch.Tensor, selected: torch.Tensor,
+                       seen: torch.Tensor) -> None:
+        """`seen`: bool (rows, T), the tokens that count (module docstring): only they advance the clock / decay."""
+        tokens = seen.sum(-1, dtype=torch.float64)  # (rows,)
         if self.settings.policy == "lru":
-            # stamp = tokens seen before this forward + 1 + the last position in it that read the expert
+            # stamp = tokens seen before this forward + the last seen token in it that read the expert (1-based)
             rows = ids.shape[0]
-            position = torch.arange(1, tokens + 1, dtype=torch.float64, device=self.device)
-            position = position[None, :, None].expand(ids.shape).reshape(rows, -1)
+            position = torch.cumsum(seen, -1, dtype=torch.float64)
+            position = position[:, :, None].expand(ids.shape).reshape(rows, -1)
             last = torch.zeros(rows, self.num_experts + 1, dtype=torch.float64, device=self.device)
             last.scatter_reduce_(1, ids.reshape(rows, -1), position, reduce="amax")
             last = last[:, : self.num_experts]
-            self._score.copy_(torch.where(selected, self._clock + last, self._score))
+            self._score.copy_(torch.where(selected, self._clock[:, None] + last, self._score))
             self._clock.add_(tokens)
         else:
             self._update_frequency(reads, tokens)
 
-    def _update_frequency(self, reads: torch.Tensor, tokens: int) -> None:
+    def _update_frequency(self, reads: torch.Tensor, tokens: torch.Tensor) -> None:
         """Decayed counts at the recency and frequency half-lives; each layer ranks by the scale whose top `slots`
         experts (before this forward) held more of its reads lately (a decayed tally of the difference)."""
         ghost_hits = (reads[None] * _top(self._scales, self.slots)).sum(-1)
         self._advantage.mul_(self._decay(tokens, ADVANTAGE_HALF_LIFE)).add_(ghost_hits[0] - ghost_hits[1])
-        self._scales[0].mul_(self._decay(tokens, 1.0)).add_(reads)
-        self._scales[1].mul_(self._decay(tokens, FREQUENCY_SCALE)).add_(reads)
+        self._scales[0].mul_(self._decay(tokens, 1.0)[:, None]).add_(reads)
+        self._scales[1].mul_(self._decay(tokens, FREQUENCY_SCALE)[:, None]).add_(reads)
         self._score.copy_(torch.where(self._advantage[:, None] > 0, self._scales[0], self._scales[1]))
 
     def _choose(self, selected: torch.Tensor, resident: torch.Tensor,

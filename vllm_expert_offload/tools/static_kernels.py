@@ -74,10 +74,9 @@ def compile_kernel(kernel: StaticKernel, capability: int) -> Compiled:
     return Compiled(compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.shared, get_ptxas(capability).path)
 
 
-def shared_bytes(kernel: StaticKernel, capability: int) -> int:
-    """The shared memory Triton allocates for `kernel` on `capability`, from its compile up to LLVM IR: no PTX, no
-    ptxas, so checking a variant against a target's limit costs a fraction of `compile_kernel` (the same
-    `metadata.shared` a full compile reports)."""
+def _front_end(kernel: StaticKernel, capability: int):
+    """(Triton IR as the front end makes it, before any pass: every @triton.jit function the kernel calls is still
+    one function per specialisation; the backend; its options; the source's language)."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -94,8 +93,24 @@ def shared_bytes(kernel: StaticKernel, capability: int) -> int:
     backend.load_dialects(context)
     module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
                             context)
+    return module, backend, options, source.language
+
+
+def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
+    """The specialisations of @triton.jit functions `kernel` calls (Triton's mangled names: module.function__ then
+    the argument types and `c<value>` per constexpr), from the front end alone (about a second): which code a
+    compile would hold, e.g. which rates' decode a mixed table's kernel compiles."""
+    module, _, _, _ = _front_end(kernel, capability)
+    return sorted(set(re.findall(r"tt\.func (?:private |public )?@([\w.$-]+)", str(module))))
+
+
+def shared_bytes(kernel: StaticKernel, capability: int) -> int:
+    """The shared memory Triton allocates for `kernel` on `capability`, from its compile up to LLVM IR: no PTX, no
+    ptxas, so checking a variant against a target's limit costs a fraction of `compile_kernel` (the same
+    `metadata.shared` a full compile reports)."""
+    module, backend, options, language = _front_end(kernel, capability)
     stages: dict = {}
-    backend.add_stages(stages, options, source.language)
+    backend.add_stages(stages, options, language)
     metadata: dict = {}
     for stage in ("ttir", "ttgir", "llir"):
         module = stages[stage](module, metadata)
@@ -215,13 +230,18 @@ def shared_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shap
     return _each_variant(kernels_for, shapes, shared_bytes)
 
 
-_MODES = {"compile": compile_targets, "shared": shared_targets}
+def function_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
+    """{"sm_90": {"<model>/<kernel>": [called function specialisations]}, ...}: `called_functions` of every variant."""
+    return _each_variant(kernels_for, shapes, called_functions)
+
+
+_MODES = {"compile": compile_targets, "shared": shared_targets, "functions": function_targets}
 
 
 def compile_report(provider: str, shapes: Iterable[LayerShape], mode: str = "compile") -> dict:
-    """`compile_targets` (mode "compile") or `shared_targets` ("shared") of `provider` ("module:function" or
-    "file.py:function", shape -> list[StaticKernel]) in a child Python with Triton's compiler, whatever mode this
-    process runs Triton in."""
+    """`compile_targets` (mode "compile"), `shared_targets` ("shared") or `function_targets` ("functions") of
+    `provider` ("module:function" or "file.py:function", shape -> list[StaticKernel]) in a child Python with
+    Triton's compiler, whatever mode this process runs Triton in."""
     return run_json(__name__, [mode, provider, json.dumps([asdict(s) for s in shapes])], triton_interpret=False)
 
 

@@ -8,7 +8,9 @@ inputs, the expert-parallel map) and runs the forward as a short sequence of nam
   _rows        under data parallelism this engine's own rows of the batch every engine's tokens were gathered into
   _record      routing statistics of those rows, padding rows weighted 0
   _to_local    global expert ids -> this rank's (expert parallelism; another rank's expert is -1, weight 0)
-  _drop_padding  without data parallelism, padding rows' ids -> -1: nothing reads, counts or caches for them
+  _batch_padding  which rows of the MoE batch are padding: this engine's mask, under data parallelism every
+               engine's, all-gathered as vLLM gathers the tokens
+  _drop_padding  padding rows' ids -> -1: nothing reads, counts or caches for them
   _start_cpu_tier  the CPU tier (expert_offload.cpu_tier): host-resident misses split off and computed by host
                cores; their entries are -1 for the device (cpu_tier_step.py)
   _count_reads reads by tier for /metrics, before the cache's step moves experts
@@ -21,17 +23,22 @@ A new step is one method and one line in `forward`.
 Every step is device work: vLLM captures this forward in CUDA graphs and replays it for padded batches and for a
 data-parallel engine's dummy batches, so whether a row is real is read from the device, from the model runner's
 persistent `is_padding` buffer (vLLM 0.32/0.33, V1 and V2 runners: filled before every step, all True in dummy runs
-and captures, read only under VLLM_MOE_SKIP_PADDING as vLLM's routers read it), never from a Python flag the capture would freeze. Under data parallelism only this engine's rows
-have a mask (vLLM gathers tokens, not the mask), so there padding is kept out of the routing statistics only; the
-kernel, the read counters and the cache see every engine's rows, identically on every rank.
+and captures, read only under VLLM_MOE_SKIP_PADDING as vLLM's routers read it), never from a Python flag the capture
+would freeze. Under data parallelism vLLM gathers every engine's tokens into the batch but not their masks, so the
+layer all-gathers the masks the same way (one byte per row, one small collective per layer and step, captured with
+the rest): another engine's padding rows, its captured size's tail or an idle engine's whole dummy batch, reach no
+kernel, read counter or cache step either, identically on every rank. A batch gathered otherwise (sequence-parallel
+MoE: rows not in DP rank order) keeps the other engines' rows as they are, with a warning at the first such forward.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from vllm import envs, forward_context
+from vllm.distributed.parallel_state import get_dp_group
 
 from ...kernels.contract import MoEKernel
 from ...kernels.expert_slots import ExpertSlots
@@ -44,6 +51,9 @@ from ..startup.profiling import spread_routing
 from ...kernels.stream_host_tier import PendingPartial
 from .cpu_tier_step import CpuTierStep
 from .rank_check import check_ranks_agree
+
+logger = logging.getLogger("vllm.expert_offload")
+_UNMASKED: set[str] = set()  # layers warned about: a batch whose other engines' padding cannot be told
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,7 @@ class MoERuntime:
         padding = self._padding()
         self._record(self._rows(topk_ids), padding)
         topk_weights, ids = self._to_local(topk_weights, topk_ids)
-        ids = self._drop_padding(ids, padding)
+        ids = self._drop_padding(ids, self._batch_padding(padding, ids.shape[0]))
         ids, cpu_partial = self._start_cpu_tier(x, topk_weights, ids)
         self._count_reads(ids)
         out = self.kernel.forward(x, topk_weights, ids, self.apply_router_weight_on_input)
@@ -115,11 +125,28 @@ class MoERuntime:
                                      f"engine's share of the batch is {topk_ids.shape[0]}")
         self.placement.record(self.layer_index, topk_ids, None if padding is None else ~padding)
 
+    def _batch_padding(self, padding: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """The padding mask of the whole MoE batch of `rows` rows: this engine's own, or under data parallelism
+        every engine's, all-gathered over the DP group in DP rank order with the step's sizes, as vLLM's naive
+        dispatch gathers the tokens (None: no mask, or a batch gathered otherwise, module docstring)."""
+        if padding is None or self.placement.dp_size == 1:
+            return padding
+        metadata = forward_context.get_forward_context().dp_metadata
+        sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
+        if (sizes is None or len(sizes) != self.placement.dp_size or sum(sizes) != rows
+                or sizes[self.placement.dp_rank] != padding.shape[0]):
+            if self.op_name not in _UNMASKED:
+                _UNMASKED.add(self.op_name)
+                logger.warning("%s: the MoE batch of %d rows is not the data-parallel engines' shares %s in rank "
+                               "order (sequence-parallel MoE or context parallelism); other engines' padding rows "
+                               "are computed, counted and cached as real ones", self.op_name, rows, sizes)
+            return None
+        return get_dp_group().all_gatherv(padding.to(torch.uint8), dim=0, sizes=list(sizes)).bool()
+
     def _drop_padding(self, local_ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-        """Without data parallelism, padding rows' ids are -1 (what the kernel skips and no counter or cache
-        sees); every TP rank has the same mask. Under DP the batch holds other engines' rows, whose mask this
-        engine does not have: kept as they are."""
-        if padding is None or self.placement.dp_size > 1:
+        """Padding rows' ids are -1 (what the kernel skips and no counter or cache sees); every TP rank has the
+        same mask."""
+        if padding is None:
             return local_ids
         if padding.shape[0] != local_ids.shape[0]:
             raise GatheredBatchError(f"{self.op_name}: vLLM's is_padding covers {padding.shape[0]} rows, the MoE batch "
