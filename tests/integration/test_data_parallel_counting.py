@@ -136,6 +136,19 @@ def test_a_batch_not_gathered_in_engine_order_keeps_other_engines_rows_and_warns
     assert len([r for r in caplog.records if "other engines' padding rows are computed" in r.message]) == 1
 
 
+def test_an_engine_whose_mask_is_not_its_share_is_refused_not_left_out_of_the_collective(monkeypatch) -> None:
+    """The choice to gather is made from what every engine sees alike (the step's sizes, the batch's rows): an
+    engine whose own mask disagrees with its share refuses by name instead of skipping the collective the other
+    engines enter (which would hang them)."""
+    layer, _ = _engine_layer(recording=False)
+    group = _dp_group(monkeypatch, [False, False])
+    _step(monkeypatch, [2, 2], [False, True, True])  # this engine's mask: 3 rows, its share: 2
+    with pytest.raises(data_parallel.GatheredBatchError, match=r"is_padding covers 3 rows, this engine's share of "
+                                                               r"the gathered batch is 2"):
+        layer.forward(torch.zeros(4, 4), torch.full((4, 2), 0.5), torch.zeros((4, 2), dtype=torch.int64))
+    assert group.calls == []
+
+
 def test_without_data_parallelism_padding_rows_reach_nothing(monkeypatch) -> None:
     """One engine: padding rows' ids are -1 for the kernel (it skips them), the read counters and the routing
     statistics; every step device work (no host synchronisation: a captured graph replays it with the next

@@ -133,14 +133,18 @@ class MoERuntime:
             return padding
         metadata = forward_context.get_forward_context().dp_metadata
         sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
-        if (sizes is None or len(sizes) != self.placement.dp_size or sum(sizes) != rows
-                or sizes[self.placement.dp_rank] != padding.shape[0]):
+        # Decided from what every engine sees alike (the step's sizes, the batch's rows): one engine skipping the
+        # collective while the others enter it would hang them all.
+        if sizes is None or len(sizes) != self.placement.dp_size or sum(sizes) != rows:
             if self.op_name not in _UNMASKED:
                 _UNMASKED.add(self.op_name)
                 logger.warning("%s: the MoE batch of %d rows is not the data-parallel engines' shares %s in rank "
                                "order (sequence-parallel MoE or context parallelism); other engines' padding rows "
                                "are computed, counted and cached as real ones", self.op_name, rows, sizes)
             return None
+        if sizes[self.placement.dp_rank] != padding.shape[0]:
+            raise GatheredBatchError(f"{self.op_name}: vLLM's is_padding covers {padding.shape[0]} rows, this "
+                                     f"engine's share of the gathered batch is {sizes[self.placement.dp_rank]}")
         return get_dp_group().all_gatherv(padding.to(torch.uint8), dim=0, sizes=list(sizes)).bool()
 
     def _drop_padding(self, local_ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
