@@ -19,7 +19,8 @@ def _compiled_as(kernel) -> tuple[dict, dict, set]:
     return runtime, dict(kernel.constexprs), set(kernel.aligned)
 
 
-@pytest.mark.xfail(strict=True, reason="static variants lack the JIT's 1-constants and divisibility (arch2 report)")
+@pytest.mark.xfail(strict=True, reason="static variants lack the JIT's constant-1 strides and 16-divisibility "
+                                       "(issue 38, found by review)")
 def test_fused_decode_variants_equal_the_census_launch_key() -> None:
     layer = compile_census.LAYERS[0]
     (k_bits, codebook), = layer.rates
