@@ -37,7 +37,9 @@ def two_sockets(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cpu_tier_step.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(cpu_tier_step, "node_cpus", lambda node: tuple(range(8 * node, 8 * node + 8)))
     monkeypatch.setattr(cpu_tier_step, "numa_node_of_gpu", lambda index: index)
-    return monkeypatch
+    cpu_tier_step._host_rank_nodes.cache_clear()  # the process's lookups, cached, came from the real topology
+    yield monkeypatch
+    cpu_tier_step._host_rank_nodes.cache_clear()
 
 
 def test_tp2_across_two_sockets_keeps_each_node_but_leaves_cores_unpinned(two_sockets) -> None:

@@ -120,14 +120,16 @@ def resolve_tier_cpus(placement: ProcessPlacement, device: torch.device, share: 
                      _engine_bound(device), share if settings.cpus is not None else auto_share, reserve)
 
 
-def _host_rank_nodes(ranks: int, index: int, own: int | None) -> list[int | None]:
+@functools.cache
+def _host_rank_nodes(ranks: int, index: int, own: int | None) -> tuple[int | None, ...]:
     """Each host rank's GPU's NUMA node (rank i drives CUDA device i when the process sees every GPU, as vLLM's
     multiprocessing workers do); when it sees fewer, every rank counts as on this rank's node (shares then never
-    overlap, they are only smaller)."""
+    overlap, they are only smaller). Cached: each MoE layer's tier resolves its cores, and each lookup scans the
+    PCI tree."""
     try:
-        return [numa_node_of_gpu(rank) if rank != index else own for rank in range(ranks)]
+        return tuple(numa_node_of_gpu(rank) if rank != index else own for rank in range(ranks))
     except IndexError:
-        return [own] * ranks
+        return (own,) * ranks
 
 
 def build_cpu_tier_step(placement: ProcessPlacement, layer: MoELayer, expert_bytes: torch.Tensor, row: int,
