@@ -32,10 +32,16 @@ class GatheredBatchError(ExpertOffloadError, RuntimeError):
     """A gathered MoE batch that does not split into the engines' shares the step's DP metadata names."""
 
 
+def splits_into_shares(sizes: list[int] | None, rows: int, dp_size: int) -> bool:
+    """The gathered batch of `rows` rows is the `dp_size` engines' shares `sizes`, in DP rank order (vLLM's naive
+    dispatch); not so under sequence-parallel MoE or another dispatch."""
+    return sizes is not None and len(sizes) == dp_size and sum(sizes) == rows
+
+
 def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_size: int) -> torch.Tensor:
     """This engine's rows of `topk_ids` [gathered tokens, top_k], gathered from all `dp_size` engines, engine d
     contributing `sizes[d]` rows (the step's `dp_metadata.get_chunk_sizes_across_dp_rank()`)."""
-    if sizes is None or len(sizes) != dp_size or sum(sizes) != topk_ids.shape[0]:
+    if not splits_into_shares(sizes, topk_ids.shape[0], dp_size):
         raise GatheredBatchError(
             f"routing statistics under data parallelism: topk_ids of {topk_ids.shape[0]} gathered tokens do not "
             f"split into {dp_size} engines' shares {sizes} (vLLM's dp_metadata); sequence-parallel MoE or another "

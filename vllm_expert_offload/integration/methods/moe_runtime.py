@@ -46,7 +46,7 @@ from ...kernels.pointer_tables import PointerTables
 from ...offload.phase import PHASE
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
-from .gathered_rows import GatheredBatchError, own_rows
+from .gathered_rows import GatheredBatchError, own_rows, splits_into_shares
 from ..startup.profiling import spread_routing
 from ...kernels.stream_host_tier import PendingPartial
 from .cpu_tier_step import CpuTierStep
@@ -102,9 +102,13 @@ class MoERuntime:
         placement = self.placement
         if not placement.recording or placement.dp_size == 1:
             return topk_ids
+        return own_rows(topk_ids, self._dp_sizes(), placement.dp_rank, placement.dp_size)
+
+    @staticmethod
+    def _dp_sizes() -> list[int] | None:
+        """Each DP engine's rows of this step's gathered batch (vLLM's dp_metadata), None where there is none."""
         metadata = forward_context.get_forward_context().dp_metadata
-        sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
-        return own_rows(topk_ids, sizes, placement.dp_rank, placement.dp_size)
+        return None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
 
     @staticmethod
     def _padding() -> torch.Tensor | None:
@@ -131,11 +135,10 @@ class MoERuntime:
         dispatch gathers the tokens (None: no mask, or a batch gathered otherwise, module docstring)."""
         if padding is None or self.placement.dp_size == 1:
             return padding
-        metadata = forward_context.get_forward_context().dp_metadata
-        sizes = None if metadata is None else metadata.get_chunk_sizes_across_dp_rank()
+        sizes = self._dp_sizes()
         # Decided from what every engine sees alike (the step's sizes, the batch's rows): one engine skipping the
         # collective while the others enter it would hang them all.
-        if sizes is None or len(sizes) != self.placement.dp_size or sum(sizes) != rows:
+        if not splits_into_shares(sizes, rows, self.placement.dp_size):
             if self.op_name not in _UNMASKED:
                 _UNMASKED.add(self.op_name)
                 logger.warning("%s: the MoE batch of %d rows is not the data-parallel engines' shares %s in rank "
