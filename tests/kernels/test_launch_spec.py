@@ -180,3 +180,42 @@ def test_an_expand_making_too_few_kernel_arguments_is_refused() -> None:
     with pytest.raises(ValueError, match="not enough values to unpack"):
         spec.kernel_kwargs(args, size_n=1, fill=False)
     assert "k_x_ptr, k_stride_xm, k_hidden, = expand_0(args.x, args)" in spec.kernel_kwargs_source
+
+
+def test_declared_unit_strides_and_alignment_are_refused_by_name_when_broken() -> None:
+    """What a spec declares true at every launch (the static report compiles it so) is checked at every launch: a
+    16-byte-misaligned pointer and a declared-aligned int that is not a multiple of 16 are refused, each by its
+    kernel argument's name; a launch keeping them passes, and undeclared ints take any value."""
+    spec = LaunchSpec(f"probe_{uuid.uuid4().hex}", _echo,
+                      {"x": INPUT_ROWS, "gate": MatrixArgs, "out": pointer("out_ptr", "*i64", "Tensor(a!)")},
+                      derived={"size_n": derived("size_n", aligned=True), "fill": constexpr("FILL")})
+    out = torch.zeros(16, dtype=torch.int64)
+
+    def kwargs(x: torch.Tensor, size_n: int = 256) -> dict:
+        return spec.kernel_kwargs(LaunchArgs(x=x, gate=MatrixArgs.of(_table(1)), out=out), size_n=size_n, fill=False)
+
+    assert kwargs(torch.zeros(2, 100))["stride_xm"] == 100
+    with pytest.raises(InvalidValueError, match="'x_ptr' is at address .*16-byte-aligned"):
+        kwargs(torch.zeros(2, 132)[:, 1:129])  # 4 bytes in
+    with pytest.raises(InvalidValueError, match="'size_n' is 264, .*multiple of 16"):
+        kwargs(torch.zeros(2, 128), size_n=264)
+    with pytest.raises(InvalidValueError, match="'out_ptr' is at address"):
+        spec.kernel_kwargs(LaunchArgs(x=torch.zeros(2, 128), gate=MatrixArgs.of(_table(1)), out=out[1:]),
+                           size_n=256, fill=False)
+
+
+def test_the_fused_launch_refuses_a_non_unit_routing_stride_and_the_layer_hands_dense_rows() -> None:
+    """Routing's last strides are declared 1 (compiled as constants): a launch handed a column view is refused by
+    the argument's name; `dense_rows` copies such a view (and a 16-byte-misaligned one), keeps a dense one."""
+    from vllm_expert_offload.kernels.triton_moe_steps import dense_rows
+
+    route = torch.zeros(4, 16)[:, ::2]  # stride (16, 2)
+    ids = torch.zeros(4, 8, dtype=torch.int64)
+    routing = triton_moe.Routing(route, ids, ids, ids)
+    with pytest.raises(InvalidValueError, match="'stride_r1' is 2, .*the constant 1"):
+        triton_moe.GATE_UP._make(LaunchArgs(x=torch.zeros(1, 128), routing=routing), LaunchArgs())
+    assert dense_rows(route).stride() == (8, 1)
+    misaligned = torch.zeros(5, 6)[1:]  # starts 24 bytes in: one DP rank's rows of top-6 router weights
+    assert misaligned.data_ptr() % 16 and dense_rows(misaligned).data_ptr() % 16 == 0
+    assert torch.equal(dense_rows(misaligned), misaligned)
+    assert dense_rows(ids) is ids

@@ -395,7 +395,8 @@ def test_arguments_the_static_report_compiles_aligned_are_aligned_at_every_launc
                 held = value.data_ptr() if isinstance(value, torch.Tensor) else value
                 assert held % 16 == 0, (kernel.name, name, held)
                 checked.add(kernel.fn.__name__)
-    assert checked == {"dequantize_kernel", "grouped_gate_up_kernel", "grouped_down_kernel"}
+    assert checked == {"dequantize_kernel", "grouped_gate_up_kernel", "grouped_down_kernel", "moe_gate_up_kernel",
+                       "moe_down_kernel"}
 
 
 # --- dense linears --------------------------------------------------------------------------------------

@@ -11,24 +11,21 @@ from vllm_expert_offload.kernels import triton_moe
 from vllm_expert_offload.kernels.static_spec import LayerShape
 from vllm_expert_offload.tools import compile_census
 
-CAPABILITY = 90
-
-
 def _compiled_as(kernel) -> tuple[dict, dict, set]:
     runtime = {p: t for p, t in kernel.signature.items() if p not in kernel.constexprs}
     return runtime, dict(kernel.constexprs), set(kernel.aligned)
 
 
-@pytest.mark.xfail(strict=True, reason="static variants lack the JIT's constant-1 strides and 16-divisibility "
-                                       "(issue 38, found by review)")
-def test_fused_decode_variants_equal_the_census_launch_key() -> None:
-    layer = compile_census.LAYERS[0]
+@pytest.mark.parametrize("capability", [90, 120])
+@pytest.mark.parametrize("layer", compile_census.LAYERS[:2], ids=lambda layer: layer.model)
+def test_fused_decode_variants_equal_the_census_launch_key(layer: compile_census.CensusLayer, capability: int) -> None:
+    """Qwen3 (K steps 16 of gate/up: aligned) and DeepSeek-V4.1 TP 2 (40; split 10 on sm_90, 20 on sm_120)."""
     (k_bits, codebook), = layer.rates
     shape = LayerShape(layer.model, layer.hidden, layer.intermediate, layer.experts, layer.top_k, k_bits, codebook)
     census = {key[0]: _compiled_as(compile_census.static_kernel(key, fn))
-              for key, fn in compile_census.layer_variants(layer, CAPABILITY, (1,)).items()}
+              for key, fn in compile_census.layer_variants(layer, capability, (1,)).items()}
     static = {k.fn.__name__: _compiled_as(k) for k in triton_moe.static_kernels(shape)
-              if k.name.endswith(f",{layer.dtype},decode]") and (k.launched_on is None or k.launched_on(CAPABILITY))}
+              if k.name.endswith(f",{layer.dtype},decode]") and (k.launched_on is None or k.launched_on(capability))}
     assert set(static) == {"moe_gate_up_kernel", "moe_down_kernel"}
     for name, (signature, constexprs, aligned) in static.items():
         want_signature, want_constexprs, want_aligned = census[name]

@@ -12,7 +12,14 @@ that had to agree by hand. Now:
 - `schema()` is the op's schema; `register(launch)` defines the op and returns a caller that takes exactly the spec's
   arguments by keyword (a missing or unknown one is refused by name) and reaches `launch` with the structures rebuilt;
 - the launcher calls `kernel[grid](**spec.kernel_kwargs(args, **derived))`: every kernel argument by name;
-- `signature(activation)` is the kernel's runtime signature for tools/static_kernels.py, in the kernel's order.
+- `signature(activation)` is the kernel's runtime signature for tools/static_kernels.py, in the kernel's order, and
+  `specialised(activation, values)` the whole key Triton's JIT compiles a launch under (below).
+What is true of an argument at every launch is declared with it, so that the static report compiles the variant a GPU
+runs: Triton's JIT compiles an int argument equal to 1 as the constant 1 and gives a 16-divisible int or a 16-byte-
+aligned pointer `tt.divisibility` 16 (wider loads and stores). A unit stride is declared `unit`, a pointer (every
+tensor the launches pass is 16-byte aligned) or an int that is a multiple of 16 (widths of whole 128-wide pieces)
+`aligned`; the launch refuses, by name, a value that breaks its declaration (a GPU would otherwise run a variant the
+report never measured, or, had it been compiled for the declaration, read wrong memory).
 The spec is checked against the kernel's parameters when it is built: a parameter the spec does not supply, or a
 kernel argument the spec makes that the kernel lacks, is refused by name at import.
 
@@ -29,7 +36,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import InvalidValueError
 from .launch_ops import register_launch
@@ -49,40 +56,63 @@ class Arg:
     kernel: Mapping[str, str] = field(default_factory=dict)
     constexprs: tuple[str, ...] = ()
     expand: Callable[[Any, Any], tuple] | None = None
+    unit: tuple[str, ...] = ()  # runtime kernel arguments equal to 1 at every launch (the JIT's constant 1)
+    aligned: tuple[str, ...] = ()  # runtime kernel arguments 16-byte-aligned (pointers) / multiples of 16 (ints)
 
 
 def arg(schema: str | Arg = "", kernel: Mapping[str, str] | None = None, constexprs: tuple[str, ...] = (),
-        expand: Callable[[Any, Any], tuple] | None = None) -> Any:
+        expand: Callable[[Any, Any], tuple] | None = None, aligned: tuple[str, ...] = ()) -> Any:
     """A launch structure's field, declared as an `Arg` (given, or made of the other parameters)."""
-    declared = schema if isinstance(schema, Arg) else Arg(schema, kernel or {}, constexprs, expand)
+    declared = schema if isinstance(schema, Arg) else Arg(schema, kernel or {}, constexprs, expand, (), aligned)
     return field(metadata={"arg": declared})
 
 
 def pointer(name: str, triton: str, schema: str = "Tensor") -> Arg:
-    """A tensor the kernel reads (or writes: schema "Tensor(a!)") through one pointer argument `name`."""
-    return Arg(schema, {name: triton})
+    """A tensor the kernel reads (or writes: schema "Tensor(a!)") through one pointer argument `name`, 16-byte
+    aligned (torch's allocations are; a launch refuses a view that is not)."""
+    return Arg(schema, {name: triton}, aligned=(name,))
 
 
-def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor") -> Arg:
+def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor", dense: bool = False) -> Arg:
     """A tensor the kernel reads (or writes) through pointer `name` and its leading strides (i32 arguments
-    `strides`: the first dimension's, then the second's, ...)."""
+    `strides`: the first dimension's, then the second's, ...). `dense`: at every launch the last of them is 1 and
+    the pointer 16-byte aligned (a tensor the layer made so: an activation's view may be neither)."""
     return Arg(schema, {name: triton, **{stride: "i32" for stride in strides}},
-               expand=lambda t, _: (t, *t.stride()[:len(strides)]))
+               expand=lambda t, _: (t, *t.stride()[:len(strides)]), unit=strides[-1:] if dense else (),
+               aligned=(name,) if dense else ())
 
 
-def integer(name: str) -> Arg:
-    """An int argument of the op that the kernel takes as the i32 argument of the same name."""
-    return Arg("int", {name: "i32"})
+def integer(name: str, aligned: bool = False) -> Arg:
+    """An int argument of the op that the kernel takes as the i32 argument of the same name; `aligned`: a multiple of
+    16 at every launch."""
+    return Arg("int", {name: "i32"}, aligned=(name,) if aligned else ())
 
 
-def derived(name: str, triton: str = "i32") -> Arg:
-    """A runtime argument the launcher derives (from shapes)."""
-    return Arg("", {name: triton})
+def derived(name: str, triton: str = "i32", aligned: bool = False) -> Arg:
+    """A runtime argument the launcher derives (from shapes); `aligned`: a multiple of 16 at every launch."""
+    return Arg("", {name: triton}, aligned=(name,) if aligned else ())
 
 
 def constexpr(name: str, schema: str = "") -> Arg:
     """A value the kernel is compiled for: an op argument of type `schema`, or derived by the launcher."""
     return Arg(schema, constexprs=(name,))
+
+
+class Specialised(NamedTuple):
+    """One compiled variant's runtime signature (name -> Triton type), constants and 16-aligned arguments."""
+
+    signature: dict[str, str]
+    constants: dict[str, int]
+    aligned: tuple[str, ...]
+
+
+def _not_specialised(kernel: Any) -> set[str]:
+    """The kernel's `do_not_specialize` parameters (by name), compiled or under Triton's interpreter alike."""
+    listed = getattr(kernel, "do_not_specialize", None)
+    if listed is None:
+        listed = getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+    names = list(kernel_parameters(kernel))
+    return {names[p] if isinstance(p, int) else p for p in listed}
 
 
 class LaunchArgs(SimpleNamespace):
@@ -98,6 +128,8 @@ class _Leaf:
     arg: Arg
     runtime: tuple[str, ...]  # kernel runtime arguments, prefix filled
     names: tuple[str, ...]  # every kernel argument it makes: the runtime ones, then the constexprs
+    unit: tuple[str, ...]  # of `runtime`, those declared 1 at every launch, prefix filled
+    aligned: tuple[str, ...]  # of `runtime`, those declared 16-aligned / multiples of 16, prefix filled
 
     @property
     def schema_name(self) -> str:
@@ -107,6 +139,19 @@ class _Leaf:
     def path(self) -> str:
         """Where its value is among the op's arguments: `<item>` or `<item>.<field>`."""
         return self.item if self.field is None else f"{self.item}.{self.field}"
+
+
+def _declared_checks(op: str, leaf: _Leaf) -> list[str]:
+    """The lines refusing, by name, a kernel argument of `leaf` that breaks its declaration (unit, aligned)."""
+    types = dict(zip(leaf.runtime, leaf.arg.kernel.values()))
+    lines = [f"if k_{n} != 1: refuse({op!r}, {n!r}, k_{n}, 'the constant 1')" for n in leaf.unit]
+    for n in leaf.aligned:
+        if types[n].startswith("*"):
+            lines.append(f"if k_{n}.data_ptr() % 16: refuse({op!r}, {n!r}, f'at address {{k_{n}.data_ptr():#x}}', "
+                         "'a 16-byte-aligned address')")
+        else:
+            lines.append(f"if k_{n} % 16: refuse({op!r}, {n!r}, k_{n}, 'a multiple of 16')")
+    return lines
 
 
 def _compiled(name: str, parameters: str, lines: list[str], env: dict[str, Any]) -> Callable[..., Any]:
@@ -125,8 +170,14 @@ def _leaves(item: str, declared: Arg | type) -> list[_Leaf]:
     for name, a in parts:
         prefix = dict(p=item, P=item.upper())
         runtime = tuple(k.format(**prefix) for k in a.kernel)
-        leaves.append(_Leaf(item, name, a, runtime, runtime + tuple(c.format(**prefix) for c in a.constexprs)))
+        leaves.append(_Leaf(item, name, a, runtime, runtime + tuple(c.format(**prefix) for c in a.constexprs),
+                            tuple(u.format(**prefix) for u in a.unit), tuple(d.format(**prefix) for d in a.aligned)))
     return leaves
+
+
+def _refuse(op: str, name: str, value: Any, declared: str) -> None:
+    raise InvalidValueError(f"{op}: kernel argument {name!r} is {value}, but the kernel is compiled for {declared} "
+                            "(declared in its LaunchSpec)")
 
 
 def kernel_parameters(fn: Any) -> dict[str, bool]:
@@ -158,7 +209,7 @@ class LaunchSpec:
     def _written_out(self) -> tuple[Callable[[LaunchArgs, LaunchArgs], dict[str, Any]], str]:
         """kernel_kwargs's body for this spec, one statement per argument: `k_<name> = args.<item>.<field>`, or the
         kernel arguments an expand makes unpacked from its call (a wrong count raises); then the dict by name."""
-        lines, names, env = [], [], {}
+        lines, names, env = [], [], {"refuse": _refuse}
         for owner, leaves in (("args", self._leaves), ("derived", self._derived)):
             for leaf in leaves:
                 if not leaf.names:
@@ -167,10 +218,12 @@ class LaunchSpec:
                 if leaf.arg.expand is None:
                     lines.append(f"k_{leaf.names[0]} = {value}")
                 else:
-                    env[f"expand_{len(env)}"] = leaf.arg.expand
+                    expand = f"expand_{len(env) - 1}"  # env holds `refuse`, then the expands
+                    env[expand] = leaf.arg.expand
                     scope = owner if leaf.field is None else f"{owner}.{leaf.item}"
-                    lines.append(f"{''.join(f'k_{n}, ' for n in leaf.names)}= expand_{len(env) - 1}({value}, {scope})")
+                    lines.append(f"{''.join(f'k_{n}, ' for n in leaf.names)}= {expand}({value}, {scope})")
                 names += leaf.names
+                lines += _declared_checks(self.op, leaf)
         lines.append(f"return {{{', '.join(f'{n!r}: k_{n}' for n in names)}}}")
         return _compiled(f"{self.op} kernel_kwargs", "args, derived", lines, env), "\n".join(lines)
 
@@ -216,12 +269,34 @@ class LaunchSpec:
         return ", ".join(f"{leaf.arg.schema} {leaf.schema_name}" for leaf in self._leaves)
 
     def signature(self, activation: str = "*fp16") -> dict[str, str]:
-        """The kernel's runtime arguments in its parameter order -> Triton type, `ACTIVATION` as `activation`: what
-        tools/static_kernels.py compiles."""
+        """The kernel's runtime arguments in its parameter order -> Triton type, `ACTIVATION` as `activation`, less
+        those declared unit (compiled as constants, `constants()`): what tools/static_kernels.py compiles."""
         types = {name: triton for leaf in self._leaves + self._derived
                  for name, triton in zip(leaf.runtime, leaf.arg.kernel.values())}
+        unit = self.constants()
         return {name: activation if types[name] == ACTIVATION else types[name]
-                for name, is_constexpr in kernel_parameters(self.kernel).items() if not is_constexpr}
+                for name, is_constexpr in kernel_parameters(self.kernel).items() if not is_constexpr and name not in unit}
+
+    def constants(self) -> dict[str, int]:
+        """The runtime arguments declared 1 at every launch -> 1: Triton's JIT compiles them as constants."""
+        return {name: 1 for leaf in self._leaves + self._derived for name in leaf.unit}
+
+    def specialised(self, activation: str, values: Mapping[str, int]) -> Specialised:
+        """The key Triton's JIT compiles a launch under, as tools/static_kernels.py compiles it: the runtime
+        signature, the constants (declared unit, and ints of `values` equal to 1) and the 16-aligned arguments
+        (declared, and ints of `values` that are multiples of 16). `values`: the launch's value of each int argument
+        that no declaration classifies and the kernel specialises on (a shape's K steps, a split's parts); a missing
+        or unknown one is refused by name."""
+        declared = {name for leaf in self._leaves + self._derived for name in (*leaf.unit, *leaf.aligned)}
+        signature = self.signature(activation)
+        free = [name for name, triton in signature.items() if triton.startswith("i") and name not in declared
+                and name not in _not_specialised(self.kernel)]
+        if sorted(free) != sorted(values):
+            _same_names(f"{self.op} (values of unclassified ints)", dict.fromkeys(free), values)
+        constants = self.constants() | {name: 1 for name, value in values.items() if value == 1}
+        aligned = [name for name in signature if name not in constants
+                   and (name in declared or values.get(name, 1) % 16 == 0)]
+        return Specialised({n: t for n, t in signature.items() if n not in constants}, constants, tuple(aligned))
 
     def kernel_kwargs(self, args: LaunchArgs, **derived: Any) -> dict[str, Any]:
         """Every kernel argument by name, from the op's arguments and what the launcher derived."""

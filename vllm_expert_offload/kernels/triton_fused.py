@@ -182,6 +182,8 @@ def split_for(steps: int, programs: int, target: int) -> int:
 # Shared memory a block may use (the opt-in maximum Triton checks a launch against) on the targets the static report
 # compiles for: sm_90 (H100/H200) and sm_120 (RTX PRO 6000 Blackwell, RTX 50 series).
 SHARED_PER_BLOCK = {90: 232_448, 120: 101_376}
+# Their SMs, for the decode split a launch chooses there (`fill_target`): H200 SXM, RTX PRO 6000 Blackwell.
+SM_COUNT = {90: 132, 120: 188}
 
 
 @functools.cache

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -59,13 +60,13 @@ from .launch_spec import ACTIVATION, LaunchArgs, LaunchSpec, arg, constexpr, der
 from .matrix_table import CODEBOOK_IDS_BY_NAME, matrix_table, present_values
 from .pointer_tables import PointerTables, ScaleStacks
 from .static_spec import LayerShape, StaticKernel
-from .triton_fused import (HALF, MATMUL_WARPS, PIECE, SHARED_PER_BLOCK, WORKSPACES, fill_target, hadamard_signs,
+from .triton_fused import (HALF, MATMUL_WARPS, PIECE, SHARED_PER_BLOCK, SM_COUNT, WORKSPACES, fill_target, hadamard_signs,
                            load_row_halves, load_vector_halves, rotated_pieces, shared_per_block, split_for,
                            write_through)
 from .triton_dequantize import DEQUANT_MIN_ROWS, DEQUANT_WORKSPACE_BYTES
 from .triton_prefill import DequantizedPrefill
 from .triton_moe_steps import (INPUT_ROWS, KEEP, SWIGLU_LIMIT, Flags, MatrixArgs, activation, activation_rows,
-                               matrix_facts, store_activation, store_rotated, writes_through)
+                               dense_rows, matrix_facts, store_activation, store_rotated, writes_through)
 
 DECODE_MAX_TOKENS = 16  # up to here: the input dimension split to fill the GPU
 DEDUP_MAX_TOKENS = 64  # up to here: one program per slot, experts' slots gathered in-kernel; above, sorted by torch
@@ -325,8 +326,8 @@ class Routing:
     dedup reads the ids), and above the dedup range the slots sorted into blocks of one expert (row ids, each block's
     expert; unread below it)."""
 
-    route: torch.Tensor = arg(strided("route_ptr", "*fp32", ("stride_r0", "stride_r1")))
-    ids: torch.Tensor = arg(strided("ids_ptr", "*i64", ("stride_i0", "stride_i1")))
+    route: torch.Tensor = arg(strided("route_ptr", "*fp32", ("stride_r0", "stride_r1"), dense=True))
+    ids: torch.Tensor = arg(strided("ids_ptr", "*i64", ("stride_i0", "stride_i1"), dense=True))
     row_ids: torch.Tensor = arg(pointer("row_ids_ptr", "*i32"))
     block_matrix: torch.Tensor = arg(pointer("block_matrix_ptr", "*i32"))
 
@@ -337,8 +338,8 @@ class SlotShape:
     arguments); top-k, slots per program and the dedup's slot vector width (compiled in)."""
 
     num_slots: int = arg(derived("num_slots"))
-    size_k: int = arg(derived("size_k"))
-    size_n: int = arg(derived("size_n"))
+    size_k: int = arg(derived("size_k", aligned=True))  # whole 128-wide pieces
+    size_n: int = arg(derived("size_n", aligned=True))
     steps: int = arg(derived("steps"))
     top_k: int = arg(constexpr("TOP_K"))
     block_m: int = arg(constexpr("BLOCK_M"))
@@ -403,7 +404,7 @@ DOWN = LaunchSpec("moe_down_triton", moe_down_kernel, {
 }, derived={"shape": SlotShape, "gate_parts": derived("gate_parts"), "fill": constexpr("FILL"),
             "finished": constexpr("FINISHED")})
 SUM = LaunchSpec("moe_sum_triton", moe_sum_kernel, {
-    "y": pointer("y_ptr", "*fp32"), "ids": strided("ids_ptr", "*i64", ("stride_i0", "stride_i1")),
+    "y": pointer("y_ptr", "*fp32"), "ids": strided("ids_ptr", "*i64", ("stride_i0", "stride_i1"), dense=True),
     "out": strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)"),
 }, derived={"parts": derived("parts"), "num_slots": derived("num_slots"), "size_n": derived("size_n"),
             "hidden": derived("hidden"), "top_k": constexpr("TOP_K"), "block": constexpr("BLOCK")})
@@ -495,8 +496,7 @@ class FusedTritonMoE:
     ) -> torch.Tensor:
         """Router-weighted sum over this rank's slice of the routed experts; topk_ids are local ids."""
         tokens, top_k = topk_ids.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x, topk_weights, topk_ids = dense_rows(x), dense_rows(topk_weights), dense_rows(topk_ids)
         dedup = tokens <= DEDUP_MAX_TOKENS
         dense = not dedup and tokens >= self.prefill.min_rows  # an expert may have enough slots to be dequantized
         counts = None
@@ -542,38 +542,54 @@ def fused_moe(layer: MoELayer, split: tuple[int, int] | None = None, **prefill: 
 _TRITON_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 
-def _per_target_stages(twice_k: int, dot_fp16: bool) -> list[tuple[int, Callable[[int], bool] | None]]:
-    """(stages, the targets launching them) of moe_gate_up at this rate: one variant where every target's shared
-    memory takes the same stages, else one per target (`gate_up_stages` with its SHARED_PER_BLOCK)."""
-    chosen = {cap: gate_up_stages(twice_k, twice_k, dot_fp16, limit) for cap, limit in SHARED_PER_BLOCK.items()}
-    if len(set(chosen.values())) == 1:
+def _per_target(variant: Callable[[int], Any]) -> list[tuple[Any, Callable[[int], bool] | None]]:
+    """(what `variant(capability)` returns, the targets launching it) over the static report's targets: one entry
+    where every target launches the same, else one per target."""
+    chosen = {cap: variant(cap) for cap in SHARED_PER_BLOCK}
+    if all(v == next(iter(chosen.values())) for v in chosen.values()):
         return [(next(iter(chosen.values())), None)]
-    return [(stages, lambda capability, cap=cap: capability == cap) for cap, stages in chosen.items()]
+    return [(v, lambda capability, cap=cap: capability == cap) for cap, v in chosen.items()]
 
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
-    dtype at decode (1 token: one program per slot, the input split) and, for fp16, as a prefill's experts with few
-    slots run them (rows sorted by expert, one part: gate/up finishes down's input). (The sum kernel reads no
-    trellis: nothing in it for the report to measure; triton_prefill.py lists the dense experts' kernels.)"""
+    dtype at decode (1 token: one program per slot, the input split as each target splits it) and, for fp16, as a
+    prefill's experts with few slots run them (rows sorted by expert, one part: gate/up finishes down's input). Each
+    specialised as Triton's JIT keys the launch (`LaunchSpec.specialised`: the declared unit strides and aligned
+    arguments, and the shape's K steps, top-k row strides and split); one variant per target where the targets'
+    stages or split differ. (The sum kernel reads no trellis: nothing in it for the report to measure;
+    triton_prefill.py lists the dense experts' kernels.)"""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     twice_k = int(2 * shape.k_bits)
+    rows = dict(stride_r0=shape.top_k, stride_i0=shape.top_k)  # dense_rows: (tokens, top_k) and (tokens, hidden)
     kernels = []
     for dtype, activation in _TRITON_DTYPES.items():
         for mode, dedup in (("decode", True), ("prefill", False)):
             if mode == "prefill" and dtype != "fp16":
                 continue
+
+            def split(capability: int) -> tuple[int, int]:
+                return (decode_split(shape.hidden, shape.intermediate, shape.hidden, shape.top_k,
+                                     2 * SM_COUNT[capability]) if dedup else (1, 1))
+
             flags = dict(TOP_K=shape.top_k, DEDUP=dedup, BLOCK_M=BLOCK_M,
                          SLOTS_P2=slots_p2(shape.top_k, shape.top_k, dedup), DOT_FP16=dtype != "fp32",
                          ROUTE_ON_INPUT=False, FILL=False, CLAMP=False, CROP=False)
-            for stages, launched_on in _per_target_stages(twice_k, dtype != "fp32"):
+            gate_up = GATE_UP.specialised(activation, dict(rows, stride_xm=shape.hidden, hidden=shape.hidden,
+                                                           steps=shape.hidden // PIECE))
+            for stages, launched_on in _per_target(
+                    lambda cap: gate_up_stages(twice_k, twice_k, dtype != "fp32", SHARED_PER_BLOCK[cap])):
                 kernels.append(StaticKernel(
-                    f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, GATE_UP.signature(activation),
-                    {**flags, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k, "CODEBOOK_GATE": codebook,
-                     "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS, stages,
-                    2 * 2 * PIECE * PIECE, dtype=dtype, trellis_arg="gate_trellis", launched_on=launched_on))
-            kernels.append(StaticKernel(
-                f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, DOWN.signature(activation),
-                {**flags, "TWICE_K_DOWN": twice_k, "CODEBOOK_DOWN": codebook, "FINISHED": mode == "prefill"},
-                MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype, trellis_arg="down_trellis"))
+                    f"moe_gate_up[{shape.codebook},{dtype},{mode}]", moe_gate_up_kernel, gate_up.signature,
+                    {**flags, **gate_up.constants, "TWICE_K_GATE": twice_k, "TWICE_K_UP": twice_k,
+                     "CODEBOOK_GATE": codebook, "CODEBOOK_UP": codebook, "FINISH": mode == "prefill"}, MATMUL_WARPS,
+                    stages, 2 * 2 * PIECE * PIECE, dtype=dtype, trellis_arg="gate_trellis", aligned=gate_up.aligned,
+                    launched_on=launched_on))
+            for down, launched_on in _per_target(lambda cap: DOWN.specialised(
+                    activation, dict(rows, steps=shape.intermediate // PIECE, gate_parts=split(cap)[0]))):
+                kernels.append(StaticKernel(
+                    f"moe_down[{shape.codebook},{dtype},{mode}]", moe_down_kernel, down.signature,
+                    {**flags, **down.constants, "TWICE_K_DOWN": twice_k, "CODEBOOK_DOWN": codebook,
+                     "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
+                    trellis_arg="down_trellis", aligned=down.aligned, launched_on=launched_on))
     return kernels

@@ -34,10 +34,10 @@ class MatrixArgs:
     device tables, its rate and codebook where uniform (compiled in; else read per matrix) and the expert cache's
     fill table (none: the kernel gets the trellis table, unread, and is compiled without the copy)."""
 
-    trellis: torch.Tensor = arg("Tensor", {"{p}_trellis": "*i64"})
-    twice_k: torch.Tensor = arg("Tensor", {"{p}_twice_k": "*i32"})
-    codebook: torch.Tensor = arg("Tensor", {"{p}_codebook": "*i32"})
-    fill: torch.Tensor | None = arg("Tensor?", {"{p}_fill": "*i64"},
+    trellis: torch.Tensor = arg("Tensor", {"{p}_trellis": "*i64"}, aligned=("{p}_trellis",))
+    twice_k: torch.Tensor = arg("Tensor", {"{p}_twice_k": "*i32"}, aligned=("{p}_twice_k",))
+    codebook: torch.Tensor = arg("Tensor", {"{p}_codebook": "*i32"}, aligned=("{p}_codebook",))
+    fill: torch.Tensor | None = arg("Tensor?", {"{p}_fill": "*i64"}, aligned=("{p}_fill",),
                                     expand=lambda fill, matrices: (matrices.trellis if fill is None else fill,))
     uniform_twice_k: int = arg("int", constexprs=("TWICE_K_{P}",))
     uniform_codebook: int = arg("int", constexprs=("CODEBOOK_{P}",))
@@ -65,13 +65,25 @@ class Flags:
     dot_fp16: bool = arg("bool", constexprs=("DOT_FP16",))
 
 
-# The layer's input rows, as the gate/up kernels read them: the model's activations, row stride, width.
+# The layer's input rows, as the gate/up kernels read them: the model's activations, row stride, width. The layer
+# hands them dense from a 16-byte-aligned start (`dense_rows`); the width is the model's (a multiple of 16 or not).
 INPUT_ROWS = Arg("Tensor", {"x_ptr": ACTIVATION, "stride_xm": "i32", "hidden": "i32"},
-                 expand=lambda x, _: (x, x.stride(0), x.shape[1]))
+                 expand=lambda x, _: (x, x.stride(0), x.shape[1]), aligned=("x_ptr",))
+
+
+def dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the launches declare it (INPUT_ROWS, routing): its last stride 1 and its start 16-byte aligned; `t`
+    itself where it is (vLLM's tensors are), else a dense copy (a fresh allocation is aligned): a view such as one
+    DP rank's rows of the router weights at top-k 6 starts 24 bytes into a 16-byte line."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 # The activation's crop to this rank's channels (a 0/1 vector; none: compiled without, the kernel handed the partial
 # workspace, unread) and vLLM's optional clamp (none: compiled without), applied by the gate/up kernel with one part
 # and the down kernel otherwise (the prefill's gate/up GEMM always).
-KEEP = Arg("Tensor?", {"keep_ptr": "*fp32"}, ("CROP",),
+KEEP = Arg("Tensor?", {"keep_ptr": "*fp32"}, ("CROP",), aligned=("keep_ptr",),
            expand=lambda keep, args: (args.partial if keep is None else keep, keep is not None))
 SWIGLU_LIMIT = Arg("float?", {"swiglu_limit": "fp32"}, ("CLAMP",),
                    expand=lambda limit, _: (0.0 if limit is None else limit, limit is not None))

@@ -136,7 +136,7 @@ class Decoded:
 
 
 _SCALE = "*fp16"
-_ROUTE = strided("route_ptr", "*fp32", ("stride_r0", "stride_r1"))
+_ROUTE = strided("route_ptr", "*fp32", ("stride_r0", "stride_r1"), dense=True)  # FusedTritonMoE's dense_rows
 # What both GEMMs derive: the product's output width, top-k, rows per block and K per step.
 _GEMM = {"size_n": derived("size_n"), "top_k": constexpr("TOP_K"), "block_m": constexpr("BLOCK_M"),
          "block_k": constexpr("BLOCK_K")}
@@ -229,9 +229,9 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
     aligned = ("w_ptr", "matrix_stride", "size_k", "size_n")
     kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, GATE_UP.signature(f"*{dtype}"),
-                            gemm | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None,
+                            gemm | GATE_UP.constants() | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None,
                             aligned=aligned)
                for dtype in ("fp16", "bf16")]
-    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, DOWN.signature(), gemm, MATMUL_WARPS,
+    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, DOWN.signature(), gemm | DOWN.constants(), MATMUL_WARPS,
                                 3, 0, trellis_arg=None, aligned=aligned))
     return kernels

@@ -30,7 +30,7 @@ from ..kernels.contract import ExpertCrop, MoELayer
 from ..kernels.launch_ops import LAUNCH_OPS
 from ..kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from ..kernels.static_spec import StaticKernel
-from ..kernels.triton_fused import SHARED_PER_BLOCK
+from ..kernels.triton_fused import SHARED_PER_BLOCK, SM_COUNT
 from ..kernels.triton_moe import decode_split, fused_moe
 from ..offload.tiers import place_expert
 from .json_child import run_json
@@ -40,7 +40,6 @@ META = torch.device("meta")
 # run's batch (max_num_batched_tokens 8192): every batch size a MoE layer meets before serving.
 VLLM_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 PROFILE_TOKENS = 8192
-SMS = {90: 132, 120: 188}  # H200 SXM, RTX PRO 6000 Blackwell (static_report.GPUS): the decode split's target
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ def layer_variants(layer: CensusLayer, capability: int, tokens: tuple[int, ...])
     from ..kernels import triton_moe
 
     moe = meta_layer(layer)
-    split = decode_split(layer.hidden, layer.intermediate, layer.hidden, layer.top_k, 2 * SMS[capability])
+    split = decode_split(layer.hidden, layer.intermediate, layer.hidden, layer.top_k, 2 * SM_COUNT[capability])
     with mock.patch.object(triton_moe, "shared_per_block", lambda device: SHARED_PER_BLOCK[capability]):
         kernel = fused_moe(moe, split)
         with recorded_launches() as seen:
