@@ -4,37 +4,45 @@ the lent machine never kills a step mid-compile; a variant an earlier step compi
 
 from __future__ import annotations
 
+import math
 import re
 
 from vllm_expert_offload.tools.compile_census import CensusLayer
-from vllm_expert_offload.tools.gpu_check_budget import COMPILE_S, STEPS, TESTS_LAYER, StepPlan, budgets
+from vllm_expert_offload.tools.gpu_check_budget import (COMPILE_S, MIXED_COPY_S_RATIO, STEPS, TESTS_LAYER, StepPlan,
+                                                        budgets)
 
 from support.moe_layers import HIDDEN, INTERMEDIATE, RATES, TIERS
 from support.paths import REPO
 
 UNIFORM = CensusLayer("u", 256, 256, 4, 2, ((3.0, "mul1"),), "bf16")
 TWO_RATES = CensusLayer("m", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "mul1")), "bf16")
+THREE_RATES_TWO_CODEBOOKS = CensusLayer("m3", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "mcg"), (4.0, "mul1")), "bf16")
 
 
 def _compile_s(plans: tuple[StepPlan, ...]) -> list[int]:
     return [seconds - run for _, run, seconds, _ in budgets(plans)]
 
 
-def test_a_step_pays_for_the_variants_it_compiles_per_rate_held() -> None:
-    """At one token a MoE forward launches gate/up, down and the sum once each; a table of two rates compiles two
-    decodes per variant, so its gate/up and down cost twice; the sum decodes nothing."""
+def test_a_step_pays_for_the_decode_copies_it_compiles() -> None:
+    """At one token a MoE forward launches gate/up, down and the sum once each. A table of two rates compiles two
+    decodes per variant at the mixed copy's price, so its gate/up and down cost 2 x 1.3 times; three rates over two
+    codebooks, 3 x 2 copies; the sum decodes nothing (the old pricing, the widest table's rates, gave 2 and 3)."""
     (uniform,) = _compile_s((StepPlan("u", 5, ((UNIFORM, (1,)),)),))
     (mixed,) = _compile_s((StepPlan("m", 5, ((TWO_RATES, (1,)),)),))
+    (mixed3,) = _compile_s((StepPlan("m3", 5, ((THREE_RATES_TWO_CODEBOOKS, (1,)),)),))
     one = COMPILE_S["moe_gate_up_kernel"] + COMPILE_S["moe_down_kernel"]
+    assert MIXED_COPY_S_RATIO > 1
     assert uniform == one + COMPILE_S["moe_sum_kernel"]
-    assert mixed == 2 * one + COMPILE_S["moe_sum_kernel"]
+    assert mixed == math.ceil(2 * MIXED_COPY_S_RATIO * one + COMPILE_S["moe_sum_kernel"])
+    assert mixed3 == math.ceil(6 * MIXED_COPY_S_RATIO * one + COMPILE_S["moe_sum_kernel"])
 
 
 def test_what_an_earlier_step_compiled_is_free_and_direct_launches_count() -> None:
     first = StepPlan("a", 1, ((UNIFORM, (1, 300)),))
-    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 2),))
-    assert _compile_s((first, again))[1] == 22 * COMPILE_S["dequantize_kernel"]
-    assert _compile_s((again,))[0] > 22 * COMPILE_S["dequantize_kernel"]
+    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 1, 2),))
+    direct = math.ceil(22 * MIXED_COPY_S_RATIO * COMPILE_S["dequantize_kernel"])
+    assert _compile_s((first, again))[1] == direct
+    assert _compile_s((again,))[0] > direct
 
 
 def test_the_gpu_tests_layer_is_the_one_the_tests_build() -> None:
