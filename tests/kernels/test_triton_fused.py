@@ -561,3 +561,21 @@ def test_a_shared_expert_linear_and_the_routed_experts_never_take_the_same_works
             forward()
     assert WORKSPACE in taken["moe"] and taken["linear"], taken  # both dequantized their weights
     assert not taken["moe"] & taken["linear"], taken
+
+
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_the_forward_hands_the_launches_dense_routing_views(tokens: int) -> None:
+    """Router weights and ids that reach the layer as column views (last stride 2) run: the forward makes them dense
+    (triton_moe_steps.dense_rows) before the launches, which compile their last strides as the constant 1 and refuse
+    any other (tests/kernels/test_launch_spec.py). On meta, with the launchers run as a GPU launch runs them (the
+    compile census's recording: arguments built and checked, nothing launched)."""
+    from vllm_expert_offload.tools.compile_census import recorded_launches
+
+    moe, _ = _meta_fused()
+    x, weights, ids = meta_routing(tokens, 2, HIDDEN)
+    wide_weights = torch.empty(tokens, 4, dtype=weights.dtype, device=weights.device)[:, ::2]
+    wide_ids = torch.empty(tokens, 4, dtype=ids.dtype, device=ids.device)[:, ::2]
+    assert wide_weights.stride(1) == wide_ids.stride(1) == 2
+    with recorded_launches() as seen:
+        assert moe.forward(x, wide_weights, wide_ids, False).shape == (tokens, HIDDEN)
+    assert {key[0] for key in seen} >= {"moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel"}
