@@ -275,3 +275,18 @@ def test_a_gather_is_not_reused_across_a_capture_boundary(monkeypatch) -> None:
     capturing[0] = False
     assert _forward(moe[3:], 4) == [[[0, 1], [-1, -1], [4, 5], [-1, -1]]]
     assert group.calls == [[2, 2]] * 3
+
+
+def test_the_next_forward_regathers_even_from_the_same_mask_buffer(monkeypatch) -> None:
+    """vLLM's mask is a persistent buffer rewritten in place each step; a context may hand the layers the same tensor
+    object as the last step's (dataclasses.replace of a context keeps it). A gather is held by its forward's context
+    only, so the next forward's first layer gathers the new contents."""
+    group = _dp_group(monkeypatch, [False, False])
+    buffer, moe = torch.tensor([False, True]), _layers(2)
+    context = _step(monkeypatch, [2, 2])
+    context.is_padding = buffer
+    assert _forward(moe, 4)[-1] == [[0, 1], [2, 3], [4, 5], [-1, -1]]
+    buffer.copy_(torch.tensor([True, False]))
+    _step(monkeypatch, [2, 2]).is_padding = buffer
+    assert _forward(moe, 4) == [[[0, 1], [2, 3], [-1, -1], [6, 7]]] * 2
+    assert len(group.calls) == 2
