@@ -155,7 +155,8 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         done
         return 0
     fi
-    dir=$(mktemp -d)
+    dir="$RESULTS_DIR/side-by-side"  # each step's output as it comes: kept should the run be cut short
+    mkdir -p "$dir"
     for i in "${!names[@]}"; do
         echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
         ( start=$(date +%s)
@@ -165,12 +166,12 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
     done
     wait "${pids[@]}"
     for i in "${!names[@]}"; do
-        echo "== ${names[i]}: output"
+        echo "== ${names[i]}: output ($dir/$i.log)"
         cat "$dir/$i.log"
         read -r rc seconds < "$dir/$i.rc"
         record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "$dir/$i.log"
+        rm -f "$dir/$i.rc"
     done
-    rm -rf "$dir"
 }
 skip() {  # skip NAME REASON
     echo "== $1: skipped: $2"
