@@ -112,7 +112,8 @@ def placed_moe(
     rates: list[tuple[float, str]] = RATES,
 ):
     """(torch reference, kernel under test, arena) over one layer of `rates`; on CUDA the host tier is the mapped
-    arena. `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer (top-k 2)."""
+    arena. `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer
+    (top-k 2)."""
     sets = expert_sets(seed, hidden, intermediate, rates)
     arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]

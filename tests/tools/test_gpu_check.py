@@ -23,9 +23,9 @@ from vllm_expert_offload.tools import gpu_check_budget
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 # The essentials first (arena, tables, host tier, the Triton MoE against the torch reference, graph replay: side by
 # side), the benchmarks after them, alone.
-STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory", "Triton MoE vs torch reference",
-         "Triton prefill", "Triton mixed rates", "Triton every rate below K 4", "Triton every rate from K 4",
-         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "bandwidth probe",
+STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
+         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton every rate below K 4",
+         "Triton every rate from K 4", "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "bandwidth probe",
          "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
@@ -162,3 +162,22 @@ def test_one_fold_form_per_device_as_the_runtime_derives_it(monkeypatch: pytest.
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: divmod(c, 10))
         assert moe_layers.device_fold_form(torch.device("cuda", 0)) == ((True, split),)
     split_fold.cache_clear()
+
+
+def test_the_every_rate_check_launches_only_the_forms_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A form the GPU test does not ask for would compile a decode per rate all the same: each launch is recorded
+    (and the check stopped at the first, having seen its form)."""
+    from support import moe_layers
+
+    class Launched(Exception):
+        pass
+
+    def launch(table, out, *, fold, split, **kwargs):
+        raise Launched((fold, split))
+
+    monkeypatch.setattr(moe_layers, "dequantize", launch)
+    for form in moe_layers.EVERY_FORM:
+        with pytest.raises(Launched) as launched:
+            moe_layers.assert_dequantize_every_rate(torch.float16, torch.device("cpu"), (form,),
+                                                    moe_layers.ALL_RATES[:4])
+        assert launched.value.args[0] == form
