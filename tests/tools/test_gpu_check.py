@@ -25,8 +25,8 @@ SCRIPT = REPO / "scripts" / "gpu-check.sh"
 # side), the benchmarks after them, alone.
 STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
          "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton every rate below K 4",
-         "Triton every rate from K 4", "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "bandwidth probe",
-         "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
+         "Triton every rate from K 4", "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
+         "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
