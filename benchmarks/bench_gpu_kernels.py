@@ -339,13 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rooflines", type=Path, help="benchmarks/gpu_bandwidth_probe.py's JSON lines")
     parser.add_argument("--routing", type=Path, help="a routing statistics file to fit the Zipf law to")
     parser.add_argument("--budget-s", type=float, default=140.0, help="rows that would start after this are skipped")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        help="the models' layers to measure (each compiles its own kernel variants)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
     device = choose_device(parser, args.smoke)
     if args.smoke:
         cfg, models = SMOKE, {"smoke": {**SMOKE_MODEL, "tp": 1}}
     else:
-        cfg, models = FULL, {name: model_shape(name, ranks) for name, ranks in MODELS.items()}
+        cfg, models = FULL, {name: model_shape(name, MODELS[name]) for name in args.models}
     out, budget = JsonLines(args.out), Budget(args.budget_s)
     probe = rooflines(args.rooflines) if args.rooflines else None
     counts, source = routing_counts(args.routing)

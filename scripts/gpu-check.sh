@@ -8,9 +8,12 @@
 #
 # Each step runs under its own time budget, derived from the compile census (vllm_expert_offload/tools/
 # gpu_check_budget.py: the step's own seconds plus the Triton variants it compiles, each at its measured compile
-# time, printed with its source before the first step), all inside GPU_CHECK_TOTAL_S (470 s). A step whose budget
-# does not fit the time left is not started (a step killed mid-compile measures nothing) and fails the run. A dry
-# run's stubs compile nothing: its steps are bound by their own seconds, 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as
+# time, printed with its source before the first step, with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s).
+# The essentials first: the GPU tests (mapped arena, pointer tables, host tier, the Triton MoE against the torch
+# reference, CUDA-graph replay, ...) side by side, each its own pytest (their compiles spread over the cores), then
+# the benchmarks alone. A step (or side-by-side group) whose budget does not fit the time left is not started (a
+# step killed mid-compile measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are
+# bound by their own seconds, 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as
 # soon as it ends (with the tail of its output when it fails), the probe's and the benchmark's rows to probe.jsonl and
 # bench.jsonl as they are measured, everything printed to gpu-check.log. Exit status: 0 when every step that could run
 # passed (the engine steps are skipped without vLLM), 1 when one failed or was not reached, 2 at once without a CUDA
@@ -74,49 +77,101 @@ if ! plan=$("$PY" -m vllm_expert_offload.tools.gpu_check_budget); then
     exit 1
 fi
 echo "== step budgets (compile census; a dry run bounds each step by its own seconds x $SLACK)"
-while IFS=$'\t' read -r key run budget source; do
+while IFS=$'\t' read -r key run budget source beside; do
+    if [ "$key" = "whole run" ]; then
+        echo "   whole run: $budget s = $source (this run's bound: $TOTAL_S s)"
+        continue
+    fi
     RUN_S["$key"]=$run BUDGET_S["$key"]=$budget SOURCE["$key"]=$source
-    echo "   $key: $budget s = $source"
+    echo "   $key: $budget s = $source${beside:+ [beside the other $beside]}"
 done <<< "$plan"
-step() {  # step NAME COMMAND...: run within NAME's budget, record the result, go on either way
-    local name="$1" key budget=""
-    shift
-    for key in "${!BUDGET_S[@]}"; do
-        if [[ "$name" == "$key"* ]]; then
-            budget=$(( DRY ? RUN_S[$key] * SLACK : BUDGET_S[$key] ))
-            break
+budget_of() {  # budget_of NAME: KEY and BUDGET of the step NAME starts with (1 when it has none)
+    for KEY in "${!BUDGET_S[@]}"; do
+        if [[ "$1" == "$KEY"* ]]; then
+            BUDGET=$(( DRY ? RUN_S[$KEY] * SLACK : BUDGET_S[$KEY] ))
+            return 0
         fi
     done
-    if [ -z "$budget" ]; then
-        echo "gpu-check: step '$name' has no budget in vllm_expert_offload.tools.gpu_check_budget" >&2
-        failed+=("$name (no budget)")
-        emit step="$name" status=failed reason="no budget"
-        return 0
-    fi
+    echo "gpu-check: step '$1' has no budget in vllm_expert_offload.tools.gpu_check_budget" >&2
+    failed+=("$1 (no budget)")
+    emit step="$1" status=failed reason="no budget"
+    return 1
+}
+fits() {  # fits NAME BUDGET SOURCE: whether BUDGET fits the time left; if not, NAME fails as not run
     local left=$(( DEADLINE - $(date +%s) ))
-    if [ "$budget" -gt "$left" ]; then  # not checked is not passed: the run fails, saying which steps it never ran
-        failed+=("$name (not run: needs $budget s, $left s left)")
-        emit step="$name" status=failed reason="not run: needs ${budget} s (${SOURCE[$key]}), ${left} s left of the run's ${TOTAL_S} s"
-        return 0
+    if [ "$2" -gt "$left" ]; then  # not checked is not passed: the run fails, saying which steps it never ran
+        failed+=("$1 (not run: needs $2 s, $left s left)")
+        emit step="$1" status=failed reason="not run: needs ${2} s ($3), ${left} s left of the run's ${TOTAL_S} s"
+        return 1
     fi
-    local limit=$budget
-    echo "== $name (at most $limit s: ${SOURCE[$key]})"
+}
+record() {  # record NAME LIMIT RC SECONDS LOG: the result of a step that ran
+    if [ "$3" -eq 0 ]; then
+        emit step="$1" status=passed seconds="$4" dry_run="$DRY"
+    else
+        local why="exit $3"
+        [ "$3" -eq 124 ] || [ "$3" -eq 137 ] && why="timed out after $2 s"
+        failed+=("$1 ($why)")
+        emit step="$1" status=failed seconds="$4" dry_run="$DRY" reason="$why" tail="$(tail -c 3000 "$5")"
+    fi
+}
+step() {  # step NAME COMMAND...: run within NAME's budget, record the result, go on either way
+    local name="$1" KEY BUDGET
+    shift
+    budget_of "$name" || return 0
+    fits "$name" "$BUDGET" "${SOURCE[$KEY]}" || return 0
+    echo "== $name (at most $BUDGET s: ${SOURCE[$KEY]})"
     local log start rc
     log=$(mktemp)
     start=$(date +%s)
-    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$log"
+    timeout --kill-after=5 "$BUDGET" "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
-    local seconds=$(( $(date +%s) - start ))
-    if [ "$rc" -eq 0 ]; then
-        emit step="$name" status=passed seconds="$seconds" dry_run="$DRY"
-    else
-        local why="exit $rc"
-        [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why="timed out after $limit s"
-        failed+=("$name ($why)")
-        emit step="$name" status=failed seconds="$seconds" dry_run="$DRY" reason="$why" tail="$(tail -c 3000 "$log")"
-    fi
+    record "$name" "$BUDGET" "$rc" $(( $(date +%s) - start )) "$log"
     rm -f "$log"
     return 0
+}
+BESIDE=()  # the queued side-by-side steps: NAME, then its command quoted for eval
+beside() {  # beside NAME COMMAND...: queue NAME to start with the others queued (together runs them)
+    BESIDE+=("$1" "$(printf '%q ' "${@:2}")")
+}
+together() {  # together: start the queued steps at once, each within its budget; record each, in queued order
+    local names=() keys=() budgets=() cmds=() pids=() longest=0 i KEY BUDGET dir
+    for (( i = 0; i < ${#BESIDE[@]}; i += 2 )); do
+        budget_of "${BESIDE[i]}" || continue
+        names+=("${BESIDE[i]}") keys+=("$KEY") budgets+=("$BUDGET") cmds+=("${BESIDE[i + 1]}")
+        [ "$BUDGET" -gt "$longest" ] && longest=$BUDGET
+    done
+    BESIDE=()
+    [ "${#names[@]}" -gt 0 ] || return 0
+    if [ "$DRY" = 1 ]; then  # the stubs share a CPU that compiles nothing: each may take the longest's time
+        for i in "${!budgets[@]}"; do budgets[i]=$longest; done
+    fi
+    local left=$(( DEADLINE - $(date +%s) ))
+    if [ "$longest" -gt "$left" ]; then  # as `fits`: none of the group starts
+        for i in "${!names[@]}"; do
+            failed+=("${names[i]} (not run: its side-by-side group needs $longest s, $left s left)")
+            emit step="${names[i]}" status=failed reason="not run: needs ${budgets[i]} s (${SOURCE[${keys[i]}]}) beside \
+steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
+        done
+        return 0
+    fi
+    dir="$RESULTS_DIR/side-by-side"  # each step's output as it comes: kept should the run be cut short
+    mkdir -p "$dir"
+    for i in "${!names[@]}"; do
+        echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
+        ( start=$(date +%s)
+          eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "$dir/$i.log" 2>&1
+          echo "$? $(( $(date +%s) - start ))" > "$dir/$i.rc" ) &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for i in "${!names[@]}"; do
+        echo "== ${names[i]}: output ($dir/$i.log)"
+        cat "$dir/$i.log"
+        read -r rc seconds < "$dir/$i.rc"
+        record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "$dir/$i.log"
+        rm -f "$dir/$i.rc"
+    done
 }
 skip() {  # skip NAME REASON
     echo "== $1: skipped: $2"
@@ -135,9 +190,13 @@ pick() {  # pick REAL... -- STUB...: CMD=(REAL...), or under --dry-run CMD=(STUB
     done
 }
 
-GPU_TESTS=(tests/memory/test_arena.py tests/kernels/test_pointer_tables.py tests/kernels/test_triton_gpu.py
-           tests/kernels/test_exllamav3_gpu.py tests/kernels/test_stream_host_tier.py)
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
+gpu_tests() {  # gpu_tests NAME TEST...: queue NAME, pytest's GPU tests among TEST... (a dry run collects them)
+    local name="$1"
+    shift
+    pick "${PYTEST[@]}" -m gpu "$@" -- "${PYTEST[@]}" --collect-only -m gpu "$@"
+    beside "$name" "${CMD[@]}"
+}
 
 pick nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.max.sm \
     --format=csv -- echo "dry run: nvidia-smi not queried"
@@ -153,22 +212,40 @@ if why is None:
     print('exllamav3_ext:', exllamav3_ext.__file__, exllamav3_ext.MANIFEST)
 else:
     print('exllamav3 backend NOT checked:', why)"
-step "imports without vLLM" "${PYTEST[@]}" tests/tools/test_gpu_check_imports.py
-step topology "$PY" -m vllm_expert_offload.cli topology
-# The probe and the benchmark first: they answer the question the run is for (how fast kernels read host-tier
-# experts over PCIe against the copy engine and HBM); the tests after them, then the engine where vLLM exists.
+# Side by side: the essentials first, what the run must prove before anything is measured.
+beside "imports without vLLM" "${PYTEST[@]}" tests/tools/test_gpu_check_imports.py
+beside topology "$PY" -m vllm_expert_offload.cli topology
+TRITON=tests/kernels/test_triton_gpu.py COMPILED=tests/kernels/test_compiled_gpu.py
+gpu_tests "mapped host memory: arena (UVA), pointer tables over PCIe, the CPU tier's jobs and graph replay" \
+    tests/memory/test_arena.py tests/kernels/test_pointer_tables.py tests/kernels/test_stream_host_tier.py
+gpu_tests "Triton MoE vs torch reference (fused and glue, host tier over PCIe) and CUDA-graph replay" \
+    "$TRITON::test_compiled_moe_matches_reference_with_host_tier_over_pcie" "$TRITON::test_cuda_graph_replay_equals_eager"
+gpu_tests "Triton prefill (decode-once, grouped GEMMs) vs torch reference" \
+    "$TRITON::test_compiled_prefill_matches_reference_with_host_tier_over_pcie"
+gpu_tests "Triton mixed rates vs torch reference" "$TRITON::test_compiled_moe_of_mixed_rates_matches_reference"
+gpu_tests "Triton every rate below K 4: decode-once in this device's fold form" \
+    "$TRITON::test_compiled_dequantize_in_this_devices_fold_form[below_k4]"
+gpu_tests "Triton every rate from K 4: decode-once in this device's fold form" \
+    "$TRITON::test_compiled_dequantize_in_this_devices_fold_form[from_k4]"
+gpu_tests "exllamav3 kernels (where its extension was carried) vs torch reference, graph replay" \
+    tests/kernels/test_exllamav3_gpu.py
+# Issue 20 item 4: every backend's forward under torch.compile with CUDA-graph capture (reduce-overhead) vs eager.
+gpu_tests "compiled Triton forwards (torch.compile reduce-overhead) vs eager" \
+    "$COMPILED::test_triton_moe_op_compiled_with_graphs_equals_eager" \
+    "$COMPILED::test_triton_linear_op_compiled_with_graphs_equals_eager"
+gpu_tests "compiled exllamav3 forwards (torch.compile reduce-overhead) vs eager" \
+    "$COMPILED::test_exllamav3_moe_op_compiled_with_graphs_equals_eager" \
+    "$COMPILED::test_exllamav3_linear_op_compiled_with_graphs_equals_eager"
+together
+# Then the benchmarks, alone on the machine: how fast kernels read host-tier experts over PCIe against the copy
+# engine and HBM.
 pick "$PY" benchmarks/gpu_bandwidth_probe.py --out "$RESULTS_DIR/probe.jsonl" \
     -- "$PY" benchmarks/gpu_bandwidth_probe.py --smoke --out "$RESULTS_DIR/probe.jsonl"
 step "bandwidth probe: HBM, pinned H2D copy, mapped host reads by size and per kernel pattern" "${CMD[@]}"
 pick "$PY" benchmarks/bench_gpu_kernels.py --out "$RESULTS_DIR/bench.jsonl" --rooflines "$RESULTS_DIR/probe.jsonl" \
-    --budget-s 125 -- "$PY" benchmarks/bench_gpu_kernels.py --smoke --out "$RESULTS_DIR/bench.jsonl" \
-    --rooflines "$RESULTS_DIR/probe.jsonl"
+    --models qwen3_30b_a3b --budget-s 60 -- "$PY" benchmarks/bench_gpu_kernels.py --smoke \
+    --out "$RESULTS_DIR/bench.jsonl" --rooflines "$RESULTS_DIR/probe.jsonl"
 step "kernel benchmark: graph replays, Zipf routing, L2 cold, per backend beside fp16 and rooflines" "${CMD[@]}"
-pick "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" -- "${PYTEST[@]}" --collect-only -m gpu "${GPU_TESTS[@]}"
-step "GPU tests: mapped arena, tables over PCIe, Triton and exllamav3 kernels, CUDA-graph replay, CPU tier jobs" "${CMD[@]}"
-# Issue 20 item 4: every backend's forward under torch.compile with CUDA-graph capture (reduce-overhead) vs eager.
-pick "${PYTEST[@]}" -m gpu tests/kernels/test_compiled_gpu.py -- "${PYTEST[@]}" --collect-only -m gpu tests/kernels/test_compiled_gpu.py
-step "compiled forwards (torch.compile reduce-overhead) vs eager" "${CMD[@]}"
 ENGINE_STEPS=("tiny EXL3 MoE on the CUDA engine: V1/V2 runners, per backend, tokens vs HF"
               "tiny mixed pack (EXL3 experts, block-FP8 attention delegated to vLLM's fp8) on the CUDA engine")
 if "$PY" -c "import vllm" 2>/dev/null; then

@@ -17,14 +17,15 @@ from support.moe_layers import NoHostSync
 from support.moe_runtimes import runtime
 
 
-def _step(monkeypatch, sizes: list[int] | None, padding: list[bool] | None = None) -> None:
+def _step(monkeypatch, sizes: list[int] | None, padding: list[bool] | None = None) -> SimpleNamespace:
+    """A forward's context, as vLLM's set_forward_context makes one per forward: every layer of it sees this one."""
     import vllm.forward_context
 
     metadata = SimpleNamespace(get_chunk_sizes_across_dp_rank=lambda: sizes)
-    mask = None if padding is None else torch.tensor(padding)
+    context = SimpleNamespace(dp_metadata=metadata, is_padding=None if padding is None else torch.tensor(padding))
     monkeypatch.setattr(vllm.forward_context, "is_forward_context_available", lambda: True)
-    monkeypatch.setattr(vllm.forward_context, "get_forward_context",
-                        lambda: SimpleNamespace(dp_metadata=metadata, is_padding=mask))
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    return context
 
 
 def test_each_engine_takes_its_own_rows_in_rank_order() -> None:
@@ -184,3 +185,108 @@ def test_with_padding_skips_off_vllms_mask_is_not_read(monkeypatch) -> None:
     layer.forward(torch.zeros(2, 4), torch.full((2, 2), 0.5), ids)
     assert layer.kernel.calls[-1][1].tolist() == ids.tolist()
     assert counts.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def _layers(count: int) -> list:
+    """`count` MoE layers of DP rank 1 of 2, as one forward runs them in order."""
+    return [runtime(torch.ones(8, dtype=torch.bool), layer_index=i, dp_rank=1, dp_size=2) for i in range(count)]
+
+
+def _forward(layers: list, rows: int) -> list[list[list[int]]]:
+    """Every layer's forward on a gathered batch of `rows` rows; the ids each layer's kernel was handed."""
+    ids = torch.arange(rows * 2).view(rows, 2) % 8
+    for layer in layers:
+        layer.forward(torch.zeros(rows, 4), torch.full((rows, 2), 0.5), ids)
+    return [layer.kernel.calls[-1][1].tolist() for layer in layers]
+
+
+@pytest.mark.parametrize("layers", [1, 5])
+def test_a_step_gathers_the_engines_masks_once_for_all_its_moe_layers(monkeypatch, layers) -> None:
+    """The masks are the same for every MoE layer of a forward: the first layer under the step's forward context
+    gathers, the others reuse it (one collective per step, not one per layer); the next step gathers its own masks,
+    never the last step's. Device work only."""
+    group = _dp_group(monkeypatch, [False, True, True])  # engine 0: one real token of 3
+    moe = _layers(layers)
+    _step(monkeypatch, [3, 2], [True, False])
+    with NoHostSync():
+        seen = _forward(moe, 5)
+    assert group.calls == [[3, 2]]
+    assert seen == [[[0, 1], [-1, -1], [-1, -1], [-1, -1], [0, 1]]] * layers
+    group.others = torch.tensor([False, False, True], dtype=torch.uint8)
+    _step(monkeypatch, [3, 2], [False, True])  # the next step: other masks
+    assert _forward(moe, 5) == [[[0, 1], [2, 3], [-1, -1], [6, 7], [-1, -1]]] * layers
+    assert group.calls == [[3, 2], [3, 2]]
+
+
+def test_an_idle_engines_dummy_forward_enters_as_many_collectives_as_a_busy_one(monkeypatch) -> None:
+    """32f3f52's rule: no engine may skip a collective another enters. The busy engine and the idle one (its dummy
+    batch all padding) each gather once per forward over the same layers."""
+    busy = _dp_group(monkeypatch, [False, False])
+    _step(monkeypatch, [2, 2], [False, False])
+    _forward(_layers(4), 4)
+    idle = _dp_group(monkeypatch, [False, False])
+    _step(monkeypatch, [2, 2], [True, True])
+    assert _forward(_layers(4), 4)[-1] == [[0, 1], [2, 3], [-1, -1], [-1, -1]]
+    assert len(busy.calls) == len(idle.calls) == 1
+
+
+def test_a_replay_batch_under_its_own_context_gathers_its_own_masks(monkeypatch) -> None:
+    """DeepSeek-V4.1 runs its later layers on a replay batch, under a forward context (and a mask, replay_padding.py)
+    of its own, its sizes the replay graph's: those layers gather that batch's masks once, the step's mask is not
+    theirs. Two collectives in such a step."""
+    group = _dp_group(monkeypatch, [False, True, True])
+    moe = _layers(4)
+    _step(monkeypatch, [3, 2], [False, True])
+    assert _forward(moe[:2], 5) == [[[0, 1], [-1, -1], [-1, -1], [6, 7], [-1, -1]]] * 2
+    group.others = torch.tensor([False, True], dtype=torch.uint8)
+    _step(monkeypatch, [2, 2], [True, True])  # the replay batch: 2 rows per engine, this engine's both padding
+    assert _forward(moe[2:], 4) == [[[0, 1], [-1, -1], [-1, -1], [-1, -1]]] * 2
+    assert group.calls == [[3, 2], [2, 2]]
+
+
+def test_a_context_whose_mask_or_sizes_change_gathers_again(monkeypatch) -> None:
+    """A gather is reused only for the same mask object and sizes under the same context (a micro-batched step runs
+    two batches; a layer must never read another batch's masks)."""
+    group = _dp_group(monkeypatch, [False, True])
+    context = _step(monkeypatch, [2, 2], [False, False])
+    _forward(_layers(2), 4)
+    context.is_padding = torch.tensor([True, False])  # another batch under this context
+    assert _forward(_layers(1), 4) == [[[0, 1], [-1, -1], [-1, -1], [6, 7]]]
+    group.others = torch.tensor([True, True, False], dtype=torch.uint8)
+    context.dp_metadata = SimpleNamespace(get_chunk_sizes_across_dp_rank=lambda: [3, 2])
+    assert _forward(_layers(1), 5) == [[[-1, -1], [-1, -1], [4, 5], [-1, -1], [0, 1]]]
+    assert group.calls == [[2, 2], [2, 2], [3, 2]]
+
+
+def test_a_gather_is_not_reused_across_a_capture_boundary(monkeypatch) -> None:
+    """A mask gathered eagerly must not be read by a layer a CUDA graph captures (a replay would read a dead
+    forward's memory), nor one gathered inside a capture by a layer run eagerly in that capture's break
+    (DeepSeek-V4.1's replay layers during the main graph's capture: captured work is not computed then). Whether
+    the stream captures is alike on every engine, so every engine regathers there."""
+    group = _dp_group(monkeypatch, [False, True])
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    _step(monkeypatch, [2, 2], [False, True])
+    moe = _layers(4)
+    _forward(moe[:1], 4)
+    capturing[0] = True
+    _forward(moe[1:3], 4)
+    capturing[0] = False
+    assert _forward(moe[3:], 4) == [[[0, 1], [-1, -1], [4, 5], [-1, -1]]]
+    assert group.calls == [[2, 2]] * 3
+
+
+def test_the_next_forward_regathers_even_from_the_same_mask_buffer(monkeypatch) -> None:
+    """vLLM's mask is a persistent buffer rewritten in place each step; a context may hand the layers the same tensor
+    object as the last step's (dataclasses.replace of a context keeps it). A gather is held by its forward's context
+    only, so the next forward's first layer gathers the new contents."""
+    group = _dp_group(monkeypatch, [False, False])
+    buffer, moe = torch.tensor([False, True]), _layers(2)
+    context = _step(monkeypatch, [2, 2])
+    context.is_padding = buffer
+    assert _forward(moe, 4)[-1] == [[0, 1], [2, 3], [4, 5], [-1, -1]]
+    buffer.copy_(torch.tensor([True, False]))
+    _step(monkeypatch, [2, 2]).is_padding = buffer
+    assert _forward(moe, 4) == [[[0, 1], [2, 3], [-1, -1], [6, 7]]] * 2
+    assert len(group.calls) == 2

@@ -23,7 +23,7 @@ from vllm_expert_offload.kernels.triton_linear import FusedTritonLinear
 from vllm_expert_offload.kernels.triton_moe import fused_moe
 from vllm_expert_offload.tools.random_layers import random_linear, random_moe
 
-from support.moe_layers import FULL, HIDDEN, placed_moe, routing
+from support.moe_layers import FULL, HIDDEN, UNIFORM, placed_moe, routing
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -79,9 +79,9 @@ def _same_launches(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("tokens", [4, 32])
+@pytest.mark.parametrize("tokens", [4])  # one launch class: each compiles its kernels (gpu_check_budget prices them)
 def test_triton_moe_op_compiled_with_graphs_equals_eager(tokens: int) -> None:
-    _, triton, _ = placed_moe(FULL, fused_moe, device=CUDA)  # what the backend builds
+    _, triton, _ = placed_moe(FULL, fused_moe, device=CUDA, rates=UNIFORM)  # what the backend builds
     compare_compiled(_moe_op(triton, HIDDEN), lambda call: routing(tokens, seed=call, device=CUDA), _same_launches)
 
 

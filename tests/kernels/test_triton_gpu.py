@@ -1,5 +1,11 @@
 """The Triton backend on a real GPU (skipped without CUDA): compiled kernels with host-tier experts read over
-the mapped arena, and CUDA-graph capture and replay equal to eager execution."""
+the mapped arena, and CUDA-graph capture and replay equal to eager execution.
+
+Each compiled variant costs the lent machine's one bounded run seconds (scripts/gpu-check.sh prices every test here
+from the compile census, vllm_expert_offload/tools/gpu_check_budget.py), so each test launches only what it is
+about: the layer is of one rate unless the test is about mixed rates, the token counts are one per launch class
+(a small decode, the dedup's decode, the decode-once prefill), and the every-rate check runs the one fold form this
+device launches. tests/tools/test_gpu_check.py holds the census's plan to these."""
 
 from __future__ import annotations
 
@@ -9,11 +15,30 @@ import torch
 from vllm_expert_offload.kernels.triton_exl3 import TRITON_MATMUL
 from vllm_expert_offload.kernels.triton_moe import fused_moe
 
-from support.moe_layers import FULL, assert_close_to_reference, assert_dequantize_every_rate, placed_moe, routing
+from support.moe_layers import (
+    ALL_RATES,
+    FULL,
+    TWO_RATES,
+    UNIFORM,
+    assert_close_to_reference,
+    assert_dequantize_every_rate,
+    device_fold_form,
+    placed_moe,
+    routing,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
 KERNELS = {"fused": fused_moe, "glue": TRITON_MATMUL}  # what the backend builds; the launcher the tests read W_hat by
+# One token count per class of launch the census tells apart (tools/compile_census.py): a small decode; a decode
+# of no power of two in the in-kernel dedup's class (17-64 tokens); the decode-once prefill (dequantize, grouped
+# GEMMs). The graph tests replay the two decode classes, already compiled.
+DECODE_TOKENS = (1, 33)
+PREFILL_TOKENS = 300
+GRAPH_TOKENS = (4, 33)
+MIXED_TOKENS = 1
+EVERY_RATE_DTYPE = torch.float16  # the serving dtype's rounding; the interpreter checks fp32 and fp16, every form
+EVERY_RATE_HALVES = {"below_k4": [r for r in ALL_RATES if r[0] < 4], "from_k4": [r for r in ALL_RATES if r[0] >= 4]}
 
 
 @pytest.fixture(params=list(KERNELS))
@@ -21,26 +46,40 @@ def kernel(request):
     return KERNELS[request.param]
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 9, 64, 300])
-def test_compiled_moe_matches_reference_with_host_tier_over_pcie(kernel, tokens: int) -> None:
-    reference, triton, _ = placed_moe(FULL, kernel, device=CUDA)
+def _matches_reference(kernel, tokens: int, rates) -> None:
+    reference, triton, _ = placed_moe(FULL, kernel, device=CUDA, rates=rates)
     x, weights, ids = routing(tokens, seed=tokens, device=CUDA)
     assert_close_to_reference(triton.forward(x, weights, ids, False), reference.forward(x, weights, ids, False))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compiled_dequantize_in_both_fold_forms(dtype: torch.dtype) -> None:
-    """The decode-once kernel compiled, the fold's split and whole forms alike (one of which this GPU launches):
-    folded = H · W_hat, plain bit-exact, over every K and codebook (the interpreter runs the fp32 products only)."""
-    assert_dequantize_every_rate(dtype, CUDA)
+@pytest.mark.parametrize("tokens", DECODE_TOKENS)
+def test_compiled_moe_matches_reference_with_host_tier_over_pcie(kernel, tokens: int) -> None:
+    _matches_reference(kernel, tokens, UNIFORM)
 
 
-@pytest.mark.parametrize("tokens", [4, 32])
+def test_compiled_prefill_matches_reference_with_host_tier_over_pcie(kernel) -> None:
+    _matches_reference(kernel, PREFILL_TOKENS, UNIFORM)
+
+
+def test_compiled_moe_of_mixed_rates_matches_reference() -> None:
+    """Experts (and one expert's projections) of two rates and codebooks: the tables' present rates, each decoded."""
+    _matches_reference(fused_moe, MIXED_TOKENS, TWO_RATES)
+
+
+@pytest.mark.parametrize("ks", list(EVERY_RATE_HALVES))
+def test_compiled_dequantize_in_this_devices_fold_form(ks: str) -> None:
+    """The decode-once kernel compiled in the fold form this device launches (derived as the runtime derives it):
+    folded = H · W_hat over every K and codebook (the interpreter runs every form), in two tables (each compiles a
+    decode per K it holds: side by side in gpu-check, half the time)."""
+    assert_dequantize_every_rate(EVERY_RATE_DTYPE, CUDA, device_fold_form(CUDA), EVERY_RATE_HALVES[ks])
+
+
+@pytest.mark.parametrize("tokens", GRAPH_TOKENS)
 def test_cuda_graph_replay_equals_eager(kernel, tokens: int) -> None:
     """Captured once, replayed on new routing: the tables' baked addresses (VRAM and host arena) and the
     shape-only block layouts (the fused kernels: the in-kernel dedup, the reserved workspaces) must give what
     eager execution gives."""
-    _, triton, _ = placed_moe(FULL, kernel, device=CUDA)
+    _, triton, _ = placed_moe(FULL, kernel, device=CUDA, rates=UNIFORM)
     x, weights, ids = routing(tokens, seed=0, device=CUDA)
     triton.forward(x, weights, ids, False)  # compile the kernel before capture
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from vllm_expert_offload.kernels.matrix_table import matrix_table, own_addresses
 from vllm_expert_offload.kernels.pointer_tables import build_pointer_tables, kernel_address, stack_scales
 from vllm_expert_offload.kernels.rotated import MatmulBackend, RotatedMoE
 from vllm_expert_offload.kernels.table_moe import TableMoE
-from vllm_expert_offload.kernels.triton_dequantize import dequantize
+from vllm_expert_offload.kernels.triton_dequantize import dequantize, split_fold
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.offload.tiers import host_record_bytes, place_expert
 
@@ -27,19 +27,30 @@ from .layers import make_layer
 
 ALL_RATES = [(k, cb) for k in range(1, 9) for cb in ("3inst", "mcg", "mul1")] + [(k, "mul1") for k in (1.5, 2.5, 3.5)]
 CPU = torch.device("cpu")
+# The decode-once kernel's forms, (fold, split): plain, folded split, folded whole. A GPU compiles one variant per
+# rate present for each form it is asked for, so a GPU check asks for the one form its device launches.
+EVERY_FORM = ((False, False), (True, True), (True, False))
 
 
-def assert_dequantize_every_rate(dtype: torch.dtype, device: torch.device) -> None:
-    """The decode-once kernel over one mixed table of every K and codebook (128 x 256 each, two column pieces) on
-    `device`: plain, bit-exact with exl3.decode's W_hat; folded in either form (split, whole), H · W_hat
-    (unnormalised) within the reference tolerance (fp16: one rounding); a matrix below `min_rows` is left untouched."""
-    layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(ALL_RATES)]
+def device_fold_form(device: torch.device) -> tuple[tuple[bool, bool], ...]:
+    """The folded form `device` launches, derived as the runtime derives it (triton_dequantize.split_fold)."""
+    return ((True, split_fold(device)),)
+
+
+def assert_dequantize_every_rate(dtype: torch.dtype, device: torch.device,
+                                 forms: tuple[tuple[bool, bool], ...] = EVERY_FORM,
+                                 rates: list[tuple[float, str]] = ALL_RATES) -> None:
+    """The decode-once kernel over one mixed table of `rates` (by default every K and codebook; 128 x 256 each, two
+    column pieces) on `device`, in each of `forms`: plain, bit-exact with exl3.decode's W_hat; folded (split or
+    whole), H · W_hat (unnormalised) within the reference tolerance (fp16: one rounding); a matrix below `min_rows`
+    is left untouched."""
+    layers = [parse_linear(make_layer(k, cb, 128, 256, seed=i), f"m{i}") for i, (k, cb) in enumerate(rates)]
     placed = [dataclasses.replace(layer, trellis=layer.trellis.to(device)) for layer in layers]
     table = matrix_table(placed, own_addresses(placed), device)
     counts = torch.full((len(layers),), 5, dtype=torch.int64, device=device)
     counts[3] = 4  # below min_rows: not decoded
     stride = 128 * 256
-    for fold, split in ((False, None), (True, True), (True, False)):
+    for fold, split in forms:
         out = torch.full((len(layers) * stride,), float("nan"), dtype=dtype, device=device)
         dequantize(table, out, counts=counts, min_rows=5, chunk=len(layers), matrix_stride=stride, fold=fold,
                    split=split)
@@ -50,14 +61,14 @@ def assert_dequantize_every_rate(dtype: torch.dtype, device: torch.device) -> No
                 continue
             w_hat = rotated_weight(layer)
             if not fold:
-                assert torch.equal(got[i], w_hat.to(dtype)), (ALL_RATES[i], fold)
+                assert torch.equal(got[i], w_hat.to(dtype)), (rates[i], fold)
                 continue
             want = hadamard_rows(w_hat.float()) * 128**0.5
             if dtype == torch.float32:
                 assert_close_to_reference(got[i], want)
             else:
                 torch.testing.assert_close(got[i].float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
-                                           msg=lambda m: f"{ALL_RATES[i]} split={split}: {m}")
+                                           msg=lambda m: f"{rates[i]} split={split}: {m}")
 
 
 def decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list[torch.Tensor]:
@@ -73,16 +84,22 @@ def decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list
 
 HIDDEN, INTERMEDIATE = 128, 256
 TIERS = (True, False, True, False, False, True)  # GPU tier (registry addresses) or host arena, interleaved
+# The experts' rates, cycled over experts and projections. A compiled kernel decodes each rate its table holds (one
+# branch per rate and codebook), so GPU tests not about mixed rates take UNIFORM, and the mixed-rate one TWO_RATES;
+# the interpreter's tests (nothing compiled) take every class at once.
 RATES = [(3, "mul1"), (2.5, "mul1"), (4, "mcg"), (2, "3inst"), (3, "mul1"), (5, "mul1")]
+UNIFORM = [(3, "mul1")]
+TWO_RATES = [(3, "mul1"), (2, "3inst")]
 
 
-def expert_sets(seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> list[dict[str, Exl3Linear]]:
-    """Mixed K and codebooks across experts and across the three projections of one expert."""
+def expert_sets(seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
+                rates: list[tuple[float, str]] = RATES) -> list[dict[str, Exl3Linear]]:
+    """K and codebooks from `rates` across experts and across the three projections of one expert."""
     shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
     sets = []
     for e, _ in enumerate(TIERS):
         sets.append({
-            p: parse_linear(make_layer(*RATES[(e + i) % len(RATES)], *shapes[p], seed=100 * seed + 10 * e + i),
+            p: parse_linear(make_layer(*rates[(e + i) % len(rates)], *shapes[p], seed=100 * seed + 10 * e + i),
                             f"experts.{e}.{p}")
             for i, p in enumerate(PROJECTIONS)
         })
@@ -92,10 +109,12 @@ def expert_sets(seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIAT
 def placed_moe(
     crop: ExpertCrop, backend: MatmulBackend | Callable[[MoELayer], object], swiglu_limit: float | None = None,
     seed: int = 0, device: torch.device = CPU, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
+    rates: list[tuple[float, str]] = RATES,
 ):
-    """(torch reference, kernel under test, arena) over one layer; on CUDA the host tier is the mapped arena.
-    `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer (top-k 2)."""
-    sets = expert_sets(seed, hidden, intermediate)
+    """(torch reference, kernel under test, arena) over one layer of `rates`; on CUDA the host tier is the mapped
+    arena. `backend`: a launcher for the shared glue (RotatedMoE), or what builds a kernel from the MoELayer
+    (top-k 2)."""
+    sets = expert_sets(seed, hidden, intermediate, rates)
     arena = HostArena(sum(host_record_bytes(s) for s, gpu in zip(sets, TIERS) if not gpu), device=device)
     placed = [place_expert(s, gpu, arena, device) for s, gpu in zip(sets, TIERS)]
     experts, scales = stack_scales(placed, device)

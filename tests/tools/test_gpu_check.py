@@ -4,6 +4,7 @@ and without --dry-run it refuses at once. The GPU machine has no vLLM; a `vllm` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -13,13 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from support.paths import REPO
+from vllm_expert_offload.kernels.triton_dequantize import split_fold
 from vllm_expert_offload.tools import gpu_check_budget
 
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
-STEPS = ["machine", "versions", "imports without vLLM", "topology", "bandwidth probe", "kernel benchmark", "GPU tests",
-         "compiled forwards", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
+# The essentials first (arena, tables, host tier, the Triton MoE against the torch reference, graph replay: side by
+# side), the benchmarks after them, alone.
+STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
+         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton every rate below K 4",
+         "Triton every rate from K 4", "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
+         "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -62,11 +69,28 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
     assert bench[0]["row"] == "setup" and bench[0]["rooflines"] == probe[-1]
     assert {r["row"] for r in bench} >= {"moe", "moe_fp16_dense", "linear"}
     log = (out / "gpu-check.log").read_text()
-    assert "== GPU tests" in log and "gpu-check: all steps that could run passed" in log
+    assert "== Triton MoE vs torch reference" in log and "gpu-check: all steps that could run passed" in log
     # Each step's budget and where it comes from, before the first step: the compile census for those that compile.
     budgets = log[log.index("== step budgets"):log.index("== machine")]
     assert all(f"   {plan.name}: " in budgets for plan in gpu_check_budget.STEPS)
-    assert re.search(r"   GPU tests: \d+ s = run \d+ s \+ compile \d+ s \(census", budgets)
+    assert re.search(r"   Triton MoE vs torch reference: \d+ s = run \d+ s \+ compile \d+ s \(census", budgets)
+    assert_the_whole_run_fits_one_command(budgets)
+
+
+def assert_the_whole_run_fits_one_command(budgets: str) -> None:
+    """The lent machine's run, as the dry run prints its budgets: every step that runs there (no vLLM: not the
+    engine's), a side-by-side group as long as its longest, and the machine's start, inside one command with margin;
+    no step of the GPU tests may need more than the command's bound on its own."""
+    steps = dict(re.findall(r"^   (.+?): (\d+) s = ", budgets, re.M))
+    beside = set(re.findall(r"^   (.+?): \d+ s = .*\[beside the other GPU tests\]$", budgets, re.M))
+    assert len(beside) >= 5 and {"mapped host memory", "Triton MoE vs torch reference"} <= beside
+    assert list(steps).index("mapped host memory") < list(steps).index("bandwidth probe")
+    engine = set(gpu_check_budget.ENGINE_STEPS)
+    run = sum(int(s) for name, s in steps.items() if name not in beside | engine | {"whole run"})
+    run += max(int(steps[name]) for name in beside)
+    start = gpu_check_budget.MACHINE_START_S
+    assert start >= 60 and run + start <= 480, budgets
+    assert int(steps["whole run"]) == run + start, budgets  # the script prints what it runs under
 
 
 def test_without_cuda_it_exits_2_at_once_having_checked_nothing(tmp_path: Path) -> None:
@@ -79,11 +103,11 @@ def test_without_cuda_it_exits_2_at_once_having_checked_nothing(tmp_path: Path) 
         {"step": "cuda", "status": "failed", "reason": f"no CUDA device visible to {sys.executable}'s torch"}]
 
 
-@pytest.mark.parametrize("total_s", [100])
+@pytest.mark.parametrize("total_s", [60])
 def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, total_s: int) -> None:
     """A run that cannot finish inside its bound stops there, keeps every result so far, and is no pass; a step
     whose budget no longer fits is not started (a step killed mid-compile measures nothing), so none times out.
-    (Budgets at their real size here: GPU_CHECK_DRY_SLACK=1, machine 20 s fits, the rest soon does not.)"""
+    (Budgets at their real size here: GPU_CHECK_DRY_SLACK=1, machine 10 s fits, the side-by-side GPU tests do not.)"""
     out = tmp_path / "results"
     env = _env(tmp_path, GPU_CHECK_TOTAL_S=str(total_s), GPU_CHECK_DRY_SLACK="1")
     result, seconds = _run(["--dry-run", str(out)], env, timeout=300)
@@ -95,3 +119,65 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
                              for r in unreached)
     assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed"
     assert "gpu-check: FAILED" in result.stdout
+
+
+def _gpu_test_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "kernels" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_budget_prices_the_layers_forms_and_tokens_the_gpu_tests_launch() -> None:
+    """gpu_check_budget cannot import the tests, so this holds its plan to them: a layer of one rate wherever a test
+    is not about mixed rates, two rates in the mixed-rate test (each rate a decode compiled per call site), the
+    every-rate check in one fold form, the device's (as the runtime derives it), over tables splitting the rates as
+    the budget's two side-by-side steps do, and the token counts each step prices."""
+    from support import moe_layers
+
+    gpu = _gpu_test_module("test_triton_gpu")
+    layer = lambda name, rates: gpu_check_budget.CensusLayer(  # noqa: E731
+        name, moe_layers.HIDDEN, moe_layers.INTERMEDIATE, len(moe_layers.TIERS), 2, tuple(rates), "fp32")
+    assert gpu_check_budget.TESTS_LAYER == layer("gpu-tests", moe_layers.UNIFORM) and len(moe_layers.UNIFORM) == 1
+    assert gpu_check_budget.MIXED_LAYER == layer("gpu-tests-mixed", moe_layers.TWO_RATES)
+    assert len({k for k, _ in moe_layers.TWO_RATES}) == 2
+    assert (gpu_check_budget.DECODE_TOKENS, gpu_check_budget.GRAPH_TOKENS) == (gpu.DECODE_TOKENS, gpu.GRAPH_TOKENS)
+    assert gpu_check_budget.PREFILL_TOKENS == (gpu.PREFILL_TOKENS,)
+    assert gpu_check_budget.MIXED_TOKENS == (gpu.MIXED_TOKENS,)
+    halves = list(gpu.EVERY_RATE_HALVES.values())
+    assert sorted(halves[0] + halves[1]) == sorted(moe_layers.ALL_RATES)
+    assert [len({k for k, _ in half}) for half in halves] == [
+        gpu_check_budget.EVERY_RATE_BELOW_K4, gpu_check_budget.EVERY_RATE - gpu_check_budget.EVERY_RATE_BELOW_K4]
+    cpu = torch.device("cpu")
+    assert moe_layers.device_fold_form(cpu) == ((True, split_fold(cpu)),)
+    assert len(moe_layers.EVERY_FORM) == 3  # the interpreter's check: every form
+
+
+def test_one_fold_form_per_device_as_the_runtime_derives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm_90 launches the whole fold, sm_120 the split one; the GPU test asks for that form alone."""
+    from support import moe_layers
+
+    for capability, split in ((90, False), (120, True)):
+        split_fold.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: divmod(c, 10))
+        assert moe_layers.device_fold_form(torch.device("cuda", 0)) == ((True, split),)
+    split_fold.cache_clear()
+
+
+def test_the_every_rate_check_launches_only_the_forms_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A form the GPU test does not ask for would compile a decode per rate all the same: each launch is recorded
+    (and the check stopped at the first, having seen its form)."""
+    from support import moe_layers
+
+    class Launched(Exception):
+        pass
+
+    def launch(table, out, *, fold, split, **kwargs):
+        raise Launched((fold, split))
+
+    monkeypatch.setattr(moe_layers, "dequantize", launch)
+    for form in moe_layers.EVERY_FORM:
+        with pytest.raises(Launched) as launched:
+            moe_layers.assert_dequantize_every_rate(torch.float16, torch.device("cpu"), (form,),
+                                                    moe_layers.ALL_RATES[:4])
+        assert launched.value.args[0] == form

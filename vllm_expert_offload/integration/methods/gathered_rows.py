@@ -9,9 +9,26 @@ before routing, in DP rank order, engine d contributing `sizes[d]` rows (the ste
 graph; an idle engine's dummy batch is all padding in vLLM's `is_padding` mask, moe_runtime.py), a sequence-parallel MoE
 gathers each tensor-parallel rank's 1/sp chunk over the EP group, and prefill context parallelism all-gathers its
 ranks' tokens too. Workspaces reserved for one engine's rows would be too small inside the capture of a large
-batch at DP >= 2, where nothing may be allocated: the layer would fail at startup."""
+batch at DP >= 2, where nothing may be allocated: the layer would fail at startup.
+
+Which rows of such a batch are padding is every engine's `is_padding` mask, all-gathered the way the tokens are
+(moe_runtime.py `_batch_padding`). The masks are the same for every MoE layer of a forward, so `step_padding` gathers
+them once per forward context (vLLM's `set_forward_context` makes one per forward; DeepSeek-V4.1's replay batch and a
+micro-batch have their own): the first MoE layer under it gathers, the later ones reuse the result. Reuse is decided
+from what every engine sees alike, so no engine skips a collective another enters: every engine runs the same MoE
+layers in the same order under the same contexts (dummy batches of idle engines and captures included; vLLM's own
+`moe_layer_index` relies on it), the step's sizes are alike, and whether the stream is capturing a CUDA graph is too
+(DP engines capture and replay the same graphs). A layer regathers when its context's gather was for another mask
+object, other sizes, or made on the other side of a capture boundary: a mask gathered eagerly is not in a captured
+graph (a replay would read a dead forward's values), and one gathered inside a capture is not computed when an eager
+segment of that capture runs (DeepSeek-V4.1's replay layers run in such a break during the main graph's capture). A
+mask gathered inside a capture is read by the later layers of that same captured forward only, like any activation
+passed between vLLM's piecewise graphs, which rewrite it at every replay before they read it.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
@@ -49,3 +66,20 @@ def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_s
         )
     start = sum(sizes[:dp_rank])
     return topk_ids[start: start + sizes[dp_rank]]
+
+
+_STEP_MASK = "_exl3_step_padding"  # attribute of a vLLM forward context: (key, the gathered mask)
+
+
+def step_padding(context: object, padding: torch.Tensor, sizes: list[int],
+                 gather: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """bool (sum(sizes),): every engine's padding rows of this forward's gathered batch. `gather()` runs the
+    collective: in the first MoE layer under `context` (vLLM's forward context), again only for another mask object,
+    other sizes or the other side of a capture boundary (module docstring: alike on every engine)."""
+    key = (padding, tuple(sizes), torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    held = getattr(context, _STEP_MASK, None)
+    if held is not None and held[0][0] is key[0] and held[0][1:] == key[1:]:
+        return held[1]
+    mask = gather()
+    setattr(context, _STEP_MASK, (key, mask))
+    return mask

@@ -25,10 +25,19 @@ data-parallel engine's dummy batches, so whether a row is real is read from the 
 persistent `is_padding` buffer (vLLM 0.32/0.33, V1 and V2 runners: filled before every step, all True in dummy runs
 and captures, read only under VLLM_MOE_SKIP_PADDING as vLLM's routers read it), never from a Python flag the capture
 would freeze. Under data parallelism vLLM gathers every engine's tokens into the batch but not their masks, so the
-layer all-gathers the masks the same way (one byte per row, one small collective per layer and step, captured with
-the rest): another engine's padding rows, its captured size's tail or an idle engine's whole dummy batch, reach no
-kernel, read counter or cache step either, identically on every rank. A batch gathered otherwise (sequence-parallel
-MoE: rows not in DP rank order) keeps the other engines' rows as they are, with a warning at the first such forward.
+masks are all-gathered the same way (one byte per row, captured with the rest): another engine's padding rows, its
+captured size's tail or an idle engine's whole dummy batch, reach no kernel, read counter or cache step either,
+identically on every rank. A batch gathered otherwise (sequence-parallel MoE: rows not in DP rank order) keeps the
+other engines' rows as they are, with a warning at the first such forward.
+
+The masks are the same for every MoE layer of a forward, so they are gathered once per forward context
+(gathered_rows.py `step_padding`, which says why every engine decides alike). Mask collectives per step on each
+DP engine and pipeline stage, eager or replayed, busy or idle (dummy batch): 1 (the stage's first MoE layer; it was
+one per MoE layer), plus 1 on a DeepSeek-V4.1 step that runs its later layers on a replay batch (a context and a
+mask of their own, replay_padding.py), plus 1 per further micro-batch; 0 without data parallelism, with
+VLLM_MOE_SKIP_PADDING=0, in vLLM's profiling pass, or for a batch not gathered as the engines' shares. While a
+graph is captured, layers run eagerly inside it (DeepSeek-V4.1's replay layers in the main graph's break) gather
+again for themselves.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from ...kernels.pointer_tables import PointerTables
 from ...offload.phase import PHASE
 from ...offload.process import ProcessPlacement
 from ...offload.rank_plan import ExpertGeometry
-from .gathered_rows import GatheredBatchError, own_rows, splits_into_shares
+from .gathered_rows import GatheredBatchError, own_rows, splits_into_shares, step_padding
 from ..startup.profiling import spread_routing
 from ...kernels.stream_host_tier import PendingPartial
 from .cpu_tier_step import CpuTierStep
@@ -148,7 +157,9 @@ class MoERuntime:
         if sizes[self.placement.dp_rank] != padding.shape[0]:
             raise GatheredBatchError(f"{self.op_name}: vLLM's is_padding covers {padding.shape[0]} rows, this "
                                      f"engine's share of the gathered batch is {sizes[self.placement.dp_rank]}")
-        return get_dp_group().all_gatherv(padding.to(torch.uint8), dim=0, sizes=list(sizes)).bool()
+        # Once per forward (gathered_rows.step_padding): the masks are the same for every MoE layer of a step.
+        return step_padding(forward_context.get_forward_context(), padding, sizes, lambda: get_dp_group().all_gatherv(
+            padding.to(torch.uint8), dim=0, sizes=list(sizes)).bool())
 
     def _drop_padding(self, local_ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         """Padding rows' ids are -1 (what the kernel skips and no counter or cache sees); every TP rank has the
