@@ -135,7 +135,7 @@ beside() {  # beside NAME COMMAND...: queue NAME to start with the others queued
     BESIDE+=("$1" "$(printf '%q ' "${@:2}")")
 }
 together() {  # together: start the queued steps at once, each within its budget; record each, in queued order
-    local names=() keys=() budgets=() cmds=() pids=() longest=0 i KEY BUDGET dir
+    local names=() keys=() budgets=() cmds=() pids=() longest=0 i KEY BUDGET dir rc seconds
     for (( i = 0; i < ${#BESIDE[@]}; i += 2 )); do
         budget_of "${BESIDE[i]}" || continue
         names+=("${BESIDE[i]}") keys+=("$KEY") budgets+=("$BUDGET") cmds+=("${BESIDE[i + 1]}")
@@ -143,9 +143,9 @@ together() {  # together: start the queued steps at once, each within its budget
     done
     BESIDE=()
     [ "${#names[@]}" -gt 0 ] || return 0
-    if [ "$DRY" = 1 ]; then  # the stubs share a CPU that compiles nothing: each may take the longest's time
-        for i in "${!budgets[@]}"; do budgets[i]=$longest; done
-    fi
+    # Each may take the longest's time: the group is charged at its longest anyway (gpu_check_budget.run_seconds),
+    # and a step's own seconds were measured alone, not beside a dozen processes starting CUDA and compiling.
+    for i in "${!budgets[@]}"; do budgets[i]=$longest; done
     local left=$(( DEADLINE - $(date +%s) ))
     if [ "$longest" -gt "$left" ]; then  # as `fits`: none of the group starts
         for i in "${!names[@]}"; do
@@ -160,6 +160,9 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
     for i in "${!names[@]}"; do
         echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
         ( start=$(date +%s)
+          # one autotune cache per step (exllamav3 writes its file in place); one Inductor compile worker each
+          export EXLLAMAV3_TUNE_CACHE="$dir/$i.tune" TORCHINDUCTOR_COMPILE_THREADS=1
+          mkdir -p "$EXLLAMAV3_TUNE_CACHE"
           eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "$dir/$i.log" 2>&1
           echo "$? $(( $(date +%s) - start ))" > "$dir/$i.rc" ) &
         pids+=($!)
@@ -168,7 +171,8 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
     for i in "${!names[@]}"; do
         echo "== ${names[i]}: output ($dir/$i.log)"
         cat "$dir/$i.log"
-        read -r rc seconds < "$dir/$i.rc"
+        rc=255 seconds=0  # a step whose shell died before writing its status failed (not: the previous one's)
+        read -r rc seconds < "$dir/$i.rc" 2>/dev/null || rc=255
         record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "$dir/$i.log"
         rm -f "$dir/$i.rc"
     done
