@@ -17,12 +17,16 @@ from support.moe_layers import NoHostSync
 from support.moe_runtimes import runtime
 
 
+class _Context(SimpleNamespace):
+    """A forward context stand-in that, like vLLM's dataclass, can be referred to weakly."""
+
+
 def _step(monkeypatch, sizes: list[int] | None, padding: list[bool] | None = None) -> SimpleNamespace:
     """A forward's context, as vLLM's set_forward_context makes one per forward: every layer of it sees this one."""
     import vllm.forward_context
 
     metadata = SimpleNamespace(get_chunk_sizes_across_dp_rank=lambda: sizes)
-    context = SimpleNamespace(dp_metadata=metadata, is_padding=None if padding is None else torch.tensor(padding))
+    context = _Context(dp_metadata=metadata, is_padding=None if padding is None else torch.tensor(padding))
     monkeypatch.setattr(vllm.forward_context, "is_forward_context_available", lambda: True)
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     return context
@@ -290,3 +294,22 @@ def test_the_next_forward_regathers_even_from_the_same_mask_buffer(monkeypatch) 
     _step(monkeypatch, [2, 2]).is_padding = buffer
     assert _forward(moe, 4) == [[[0, 1], [2, 3], [-1, -1], [6, 7]]] * 2
     assert len(group.calls) == 2
+
+
+def test_a_forward_context_holds_its_gather_only_while_it_lives() -> None:
+    """The gathered mask is kept beside vLLM's forward context, not on it (no attribute added to vLLM's object), and
+    dropped with it: no forward's mask outlives its context, and a new context at a reused address starts empty.
+    vLLM's ForwardContext can be referred to weakly, as the keeping needs."""
+    import weakref
+
+    from vllm.forward_context import ForwardContext
+
+    from vllm_expert_offload.integration.methods import gathered_rows
+
+    assert "__weakref__" in dir(ForwardContext)
+    context, mask = _Context(), torch.zeros(2, dtype=torch.bool)
+    gathered = gathered_rows.step_padding(context, mask, [1, 1], lambda: torch.ones(2, dtype=torch.bool))
+    assert gathered_rows._STEP_MASKS[id(context)][1] is gathered and not hasattr(context, "_exl3_step_padding")
+    alive = weakref.ref(context)
+    del context
+    assert alive() is None and gathered_rows._STEP_MASKS == {}

@@ -28,6 +28,7 @@ passed between vLLM's piecewise graphs, which rewrite it at every replay before 
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -68,7 +69,9 @@ def own_rows(topk_ids: torch.Tensor, sizes: list[int] | None, dp_rank: int, dp_s
     return topk_ids[start: start + sizes[dp_rank]]
 
 
-_STEP_MASK = "_exl3_step_padding"  # attribute of a vLLM forward context: (key, the gathered mask)
+# Per live forward context (by id, dropped when the context is collected; vLLM's context is not ours to add
+# attributes to): the key its gather was made for and the gathered mask.
+_STEP_MASKS: dict[int, tuple[tuple, torch.Tensor]] = {}
 
 
 def step_padding(context: object, padding: torch.Tensor, sizes: list[int],
@@ -77,9 +80,11 @@ def step_padding(context: object, padding: torch.Tensor, sizes: list[int],
     collective: in the first MoE layer under `context` (vLLM's forward context), again only for another mask object,
     other sizes or the other side of a capture boundary (module docstring: alike on every engine)."""
     key = (padding, tuple(sizes), torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    held = getattr(context, _STEP_MASK, None)
+    held = _STEP_MASKS.get(id(context))
     if held is not None and held[0][0] is key[0] and held[0][1:] == key[1:]:
         return held[1]
     mask = gather()
-    setattr(context, _STEP_MASK, (key, mask))
+    if held is None:
+        weakref.finalize(context, _STEP_MASKS.pop, id(context), None)
+    _STEP_MASKS[id(context)] = (key, mask)
     return mask
