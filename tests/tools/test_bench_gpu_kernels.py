@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_expert_offload.memory import _cuda_host
-
+from support import fake_cudart
 from support.paths import REPO
 
 
@@ -104,29 +104,35 @@ def test_bench_rows_cover_every_point_with_bytes_by_tier_and_the_probes_roofline
         (b, n) for b in ("fp16_matmul", "triton") for n in cfg["dense_rows"])
 
 
-def _refuse_registration(*_args) -> None:
-    raise _cuda_host.CudaError("cudaHostRegister(0x0, 4096, 0x3) failed: cudaError 801 (cudaErrorNotSupported)")
-
-
 def test_a_refused_host_registration_is_a_row_not_a_crash(monkeypatch, tmp_path: Path) -> None:
     """Where the runtime refuses cudaHostRegister (or MADV_DONTFORK), the probe says so and reads a torch pinned buffer
-    instead; the benchmark says so and skips the host-tier rows, measuring the rest."""
+    instead; the benchmark says so and skips the host-tier rows, measuring the rest. The real HostArena registers
+    through a fake libcudart that refuses (801) and keeps the runtime's last error, and every timed launch runs
+    torch's launch check first: an error the refusal left pending would kill the first kernel after the fallback."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cudart = fake_cudart.install(monkeypatch, {"cudaHostRegister": 801})
+    arena_type = probe_module.HostArena
 
-    class RefusingArena:
-        def __init__(self, *args, **kwargs) -> None:
-            _refuse_registration()
+    def cuda_arena(nbytes: int, device: torch.device) -> object:  # --smoke runs on the CPU: register as on a GPU
+        return arena_type(nbytes, device="cuda")
 
-    monkeypatch.setattr(probe_module, "HostArena", RefusingArena)
-    monkeypatch.setattr(bench_module, "HostArena", RefusingArena)
+    times = probe_module.Clock.times
+
+    def checked_times(clock, *args, **kwargs) -> list[float]:
+        cudart.launch_check()  # the L2 flush's fill_ is a torch kernel: C10_CUDA_KERNEL_LAUNCH_CHECK after it
+        return times(clock, *args, **kwargs)
+
+    monkeypatch.setattr(probe_module, "HostArena", cuda_arena)
+    monkeypatch.setattr(bench_module, "HostArena", cuda_arena)
+    monkeypatch.setattr(probe_module.Clock, "times", checked_times)
     monkeypatch.setitem(probe_module.SMOKE, "read_sizes", [4096])
     monkeypatch.setattr(bench_module, "SMOKE", {**bench_module.SMOKE, "tokens": (1,), "dense_rows": ()})
     assert probe_module.main(["--smoke", "--out", str(tmp_path / "probe.jsonl")]) == 0
     probe = _rows(tmp_path / "probe.jsonl")
     failed = [r for r in probe if r["probe"] == "host_arena"]
-    assert failed == [{"probe": "host_arena", "status": "failed", "error": "CudaError: cudaHostRegister(0x0, 4096, "
-                       "0x3) failed: cudaError 801 (cudaErrorNotSupported)",
-                       "fallback": "torch pinned memory (cudaHostAlloc)"}]
+    assert [(r["status"], r["fallback"]) for r in failed] == [("failed", "torch pinned memory (cudaHostAlloc)")]
+    refusal = r"CudaError: cudaHostRegister\(0x[0-9a-f]+, 1048576, 0x3\) failed: cudaError 801 \(cudaErrorNotSupported"
+    assert re.match(refusal, failed[0]["error"]), failed[0]["error"]
     assert {r["host"] for r in probe if r["probe"] in ("host_read", "h2d_copy")} == {"torch_pinned"}
     assert probe[-1]["probe"] == "rooflines" and probe[-1]["host"] == "torch_pinned"
     assert bench_module.main(["--smoke", "--out", str(tmp_path / "bench.jsonl")]) == 0
@@ -137,6 +143,7 @@ def test_a_refused_host_registration_is_a_row_not_a_crash(monkeypatch, tmp_path:
     hosted = [r for r in moe if r["host_share"] > 0]
     assert hosted and all(r["skipped"].startswith("no host arena on this machine (CudaError: cudaHostRegister")
                           for r in hosted)
+    assert [c[0] for c in cudart.calls] == ["cudaHostRegister"] * 2 and cudart.drains == 2
 
 
 def test_zipf_fit_recovers_a_power_law_and_the_projects_routing_is_skewed() -> None:

@@ -55,14 +55,24 @@ def _cudart() -> ctypes.CDLL:
     lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
     lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
     lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaGetLastError.argtypes = []
     lib.cudaGetErrorName.restype = ctypes.c_char_p
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     return lib
 
 
 def _check(call: str, code: int) -> None:
+    """Raise CudaError for a failed call, after taking its code off the runtime's per-thread last error.
+
+    The runtime keeps every failing call's code there until cudaGetLastError reads it, and torch checks each kernel
+    launch with cudaGetLastError (C10_CUDA_KERNEL_LAUNCH_CHECK): left pending, an error our caller catches and
+    handles (a refused cudaHostRegister falling back to torch pinned memory) would be raised again as the failure
+    of the next, unrelated torch kernel (pytorch#167414, vLLM #50070). Read through the same handle as the call, so
+    it is the same runtime's slot; on success nothing is read (another library's pending error is not ours to take).
+    """
     if code != 0:
         lib = _cudart()
+        lib.cudaGetLastError()
         name = lib.cudaGetErrorName(code).decode()
         text = lib.cudaGetErrorString(code).decode()
         raise CudaError(f"{call} failed: cudaError {code} ({name}: {text})")
@@ -85,7 +95,7 @@ def host_device_pointer(address: int, device: torch.device) -> int:
     device_ptr = ctypes.c_void_p()
     with torch.cuda.device(device):
         code = _cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), address, 0)
-    _check(f"cudaHostGetDevicePointer(host={address:#x})", code)
+    _check(f"cudaHostGetDevicePointer(host={address:#x}, device={device})", code)
     return int(device_ptr.value or 0)
 
 
@@ -94,4 +104,4 @@ def launch_host_func(stream: int, function: int, user_data: int) -> None:
     thread with `user_data` once the work queued before it has finished, and the stream's later work waits for it.
     Under graph capture it becomes a host node of the graph, `user_data` fixed at capture."""
     code = _cudart().cudaLaunchHostFunc(stream, function, user_data)
-    _check(f"cudaLaunchHostFunc(stream={stream:#x}, fn={function:#x})", code)
+    _check(f"cudaLaunchHostFunc(stream={stream:#x}, fn={function:#x}, user_data={user_data:#x})", code)
