@@ -12,7 +12,9 @@ import torch
 
 from vllm_expert_offload.memory import HostArena
 from vllm_expert_offload.memory import arena as arena_mod
+from vllm_expert_offload.memory._cuda_host import CudaError
 
+from support.fake_cudart import ALIAS_OFFSET, FakeCudart, install
 from support.process_maps import is_mapped
 
 PAGE = 4096
@@ -132,42 +134,37 @@ def test_a_forked_worker_releases_its_arena_when_it_ends(tmp_path) -> None:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """The CUDA registration calls faked on the CPU (device alias = host address + 1 MiB); returns the calls."""
-    calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(arena_mod._cuda_host, "host_register_mapped", lambda address, n: calls.append(("register", address)))
-    monkeypatch.setattr(arena_mod._cuda_host, "host_unregister", lambda address: calls.append(("unregister", address)))
-    monkeypatch.setattr(arena_mod._cuda_host, "host_device_pointer", lambda address, device: address + (1 << 20))
-    return calls
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """libcudart faked on the CPU (device alias = host address + 1 MiB), its calls recorded."""
+    return install(monkeypatch)
 
 
 def test_registered_arena_unregistered_and_unmapped_once(fake_cuda, arena_log) -> None:
     arena = HostArena(4 * PAGE, device="cuda")
-    base = arena.device_address(0) - (1 << 20)
-    assert fake_cuda == [("register", base)]
+    base = arena.device_address(0) - ALIAS_OFFSET
+    assert [c[:2] for c in fake_cuda.calls] == [("cudaHostRegister", base), ("cudaHostGetDevicePointer", base)]
     arena.close()
     arena.release("after close")
     del arena
     gc.collect()
-    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
+    assert [c[:2] for c in fake_cuda.calls[2:]] == [("cudaHostUnregister", base)] and not is_mapped(base)
     assert arena_log.text.count("host arena released: 0.0 MiB unregistered and unmapped") == 1
+    assert fake_cuda.drains == 0
 
 
-def test_a_failing_device_pointer_after_registration_is_undone(fake_cuda, monkeypatch, arena_log) -> None:
-    from vllm_expert_offload.memory._cuda_host import CudaError
-
-    def no_alias(address: int, device: torch.device) -> int:
-        raise CudaError(f"cudaHostGetDevicePointer(host={address:#x}) failed: cudaError 1 (cudaErrorInvalidValue)")
-
-    monkeypatch.setattr(arena_mod._cuda_host, "host_device_pointer", no_alias)
-    with pytest.raises(CudaError, match="cudaHostGetDevicePointer"):
+def test_a_failing_device_pointer_after_registration_is_undone(fake_cuda, arena_log) -> None:
+    fake_cuda.refuse["cudaHostGetDevicePointer"] = 1
+    with pytest.raises(CudaError, match=r"cudaHostGetDevicePointer\(host=0x[0-9a-f]+, device=cuda\) failed: cudaError 1 "
+                       r"\(cudaErrorInvalidValue"):
         HostArena(4 * PAGE, device="cuda")
-    base = fake_cuda[0][1]
-    assert fake_cuda == [("register", base), ("unregister", base)] and not is_mapped(base)
+    base = fake_cuda.calls[0][1]
+    calls = [("cudaHostRegister", base), ("cudaHostGetDevicePointer", base), ("cudaHostUnregister", base)]
+    assert [c[:2] for c in fake_cuda.calls] == calls and not is_mapped(base)
+    assert fake_cuda.drains == 1 and fake_cuda.pending == 0  # the failure read off the runtime, once
     assert arena_log.text.count("host arena released: ") == 1
     assert "host arena released: 0.0 MiB unregistered and unmapped (set-up failed: CudaError: " in arena_log.text
     gc.collect()
-    assert fake_cuda == [("register", base), ("unregister", base)]  # nothing ends it a second time
+    assert [c[:2] for c in fake_cuda.calls] == calls  # nothing ends it a second time
 
 
 def test_a_failing_numa_bind_unmaps_before_the_error(two_nodes, monkeypatch, arena_log) -> None:

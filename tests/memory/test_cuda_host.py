@@ -71,26 +71,3 @@ def test_a_refused_arena_registration_raises_once_drained_and_unmaps(monkeypatch
     gc.collect()
     assert not is_mapped(base)
     assert "host arena released: 0.0 MiB unmapped (set-up failed: CudaError: cudaHostRegister(" in arena_log.text
-
-
-def test_a_refused_device_pointer_unregisters_and_drains_once(monkeypatch, arena_log) -> None:
-    fake = install(monkeypatch, {"cudaHostGetDevicePointer": 1})
-    with pytest.raises(_cuda_host.CudaError, match="cudaHostGetDevicePointer.*cudaErrorInvalidValue"):
-        HostArena(PAGE, device="cuda")
-    base = fake.calls[0][1]
-    assert [c[:2] for c in fake.calls] == [("cudaHostRegister", base), ("cudaHostGetDevicePointer", base),
-                                           ("cudaHostUnregister", base)]
-    assert fake.drains == 1 and fake.pending == 0
-    assert arena_log.text.count("host arena released: 0.0 MiB unregistered and unmapped (set-up failed: ") == 1
-
-
-def test_a_registered_arena_reads_through_the_device_alias_and_unregisters_once(monkeypatch) -> None:
-    fake = install(monkeypatch)
-    arena = HostArena(2 * PAGE, device="cuda")
-    base = fake.calls[0][1]
-    assert arena.device_address(PAGE) == base + ALIAS_OFFSET + PAGE
-    arena.close()
-    del arena
-    gc.collect()
-    assert [c[0] for c in fake.calls] == ["cudaHostRegister", "cudaHostGetDevicePointer", "cudaHostUnregister"]
-    assert fake.drains == 0
