@@ -16,10 +16,11 @@ matmuls of the same shapes and the rooflines the bandwidth probe measured.
 - L2 cold as in serving, where the other layers run between two forwards of this one: twice the L2 is written before
   each replay (untimed). Times are CUDA events around one replay; each row gives the median and p90 over at least
   MIN_REPEATS and at most MAX_REPEATS replays, as many as fit ROW_SECONDS.
-- Bytes and rooflines per replay: the trellises and scales of the distinct experts drawn, split by tier; roofline =
-  GPU-tier bytes / HBM read rate + host-tier bytes / the host read rate in that backend's access pattern (probe:
-  triton and exllamav3 patterns, the pinned copy engine for the torch reference), serialised (a perfect overlap of
-  the two tiers would be their max).
+- Bytes and rooflines per replay: what the distinct experts drawn read from each memory: host-tier experts' trellises
+  from the host arena; GPU-tier experts' trellises and every drawn expert's suh/svh from HBM (the scales stay on the
+  GPU in both tiers, offload/tiers.py); roofline = HBM bytes / HBM read rate + host bytes / the host read rate in that
+  backend's access pattern (probe: triton and exllamav3 patterns, the pinned copy engine for the torch reference),
+  serialised (a perfect overlap of the two memories would be their max).
 - A dense 4096 x 4096 K=4 linear (exl3_gemm, triton) beside fp16 `torch.matmul`, at 1, 8 and 64 rows, graph-replayed.
 Every row is one JSON line appended to --out as it finishes; rows that do not fit --budget-s are written as skipped.
 """
@@ -134,7 +135,9 @@ class PlacedLayer:
         self.shape, self.device = shape, device
         sets = [{p: random_linear(gen, *sizes[p], k) for p in PROJECTIONS} for _ in range(shape["experts"])]
         self.experts = len(sets)
-        self.expert_bytes = sum(sets[0][p].nbytes() for p in PROJECTIONS)
+        # Bytes one expert's forward reads: its trellises from its tier, its scales from HBM whatever the tier.
+        self.trellis_bytes = sum(sets[0][p].trellis.nbytes for p in PROJECTIONS)
+        self.scale_bytes = sum(sets[0][p].suh.nbytes + sets[0][p].svh.nbytes for p in PROJECTIONS)
         self.gpu = [place_expert(s, True, None, device) for s in sets]
         self.arena, self.host, self.arena_error = None, None, None
         try:
@@ -143,6 +146,11 @@ class PlacedLayer:
         except (OSError, RuntimeError, ValueError) as exc:  # cudaHostRegister or MADV_DONTFORK refused by this runtime
             self.arena_error = f"{type(exc).__name__}: {exc}"
             out.write({"row": "host_arena", "status": "failed", "error": self.arena_error, "shape": shape})
+
+    def bytes_read(self, gpu_experts: int, host_experts: int) -> tuple[int, int]:
+        """(HBM bytes, host bytes) a forward over that many distinct experts of each tier reads."""
+        experts = gpu_experts + host_experts
+        return gpu_experts * self.trellis_bytes + experts * self.scale_bytes, host_experts * self.trellis_bytes
 
     def kernel(self, backend: str, on_host: np.ndarray):
         placed = [self.host[e] if on_host[e] else self.gpu[e] for e in range(self.experts)]
@@ -277,14 +285,13 @@ def moe_row(row: dict, layer: PlacedLayer, on_host: np.ndarray, draws: Draws, x:
     times, how = timing.run(lambda: kernel.forward(x, weights, ids, False), refill, row["backend"] != "torch", warm)
     reads = [(int((~on_host[u]).sum()), int(on_host[u].sum())) for u in draws.unique]
     used = [reads[i % len(reads)] for i in range(len(times))]
-    gpu_bytes = [g * layer.expert_bytes for g, _ in used]
-    host_bytes = [h * layer.expert_bytes for _, h in used]
-    result = {**row, "timing": how, **_stats(times), "gpu_bytes_median": statistics.median(gpu_bytes),
+    hbm_bytes, host_bytes = zip(*(layer.bytes_read(g, h) for g, h in used))
+    result = {**row, "timing": how, **_stats(times), "hbm_bytes_median": statistics.median(hbm_bytes),
               "host_bytes_median": statistics.median(host_bytes),
               "distinct_experts_median": statistics.median(g + h for g, h in used)}
     rates = roofline_rates(probe, row["backend"])
     if rates is not None:
-        per_replay = [g / (rates[0] * 1e9) + h / (rates[1] * 1e9) for g, h in zip(gpu_bytes, host_bytes)]
+        per_replay = [g / (rates[0] * 1e9) + h / (rates[1] * 1e9) for g, h in zip(hbm_bytes, host_bytes)]
         result.update(roofline_s=statistics.median(per_replay), roofline_hbm_gbs=rates[0], roofline_host_gbs=rates[1],
                       fraction_of_roofline=statistics.median(per_replay) / result["median_s"])
     out.write(result)
