@@ -12,7 +12,7 @@ its own (`"probe": "host_arena", "status": "failed"`) and the host-tier reads fa
 (cudaHostAlloc, mapped under UVA), said so in each row.
 
 - hbm_read / host_read: a Triton kernel reads `chunks` chunks of `read_bytes` each (at addresses from a table, as the
-  kernels read experts), 16-byte vector loads coalesced across each warp, 4 KiB to 64 MiB per chunk, the chunks of one
+  kernels read experts), 16-byte vector loads coalesced across each warp, 4 KiB to 256 MiB per chunk, the chunks of one
   launch adding up to `total_bytes`; plus the time of a single chunk alone (latency, launch included).
 - h2d_copy: cudaMemcpyAsync (Tensor.copy_) of pinned host memory to VRAM by size: the copy engine, which the torch
   reference's per-batch reads of host-tier experts use.

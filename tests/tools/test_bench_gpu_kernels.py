@@ -242,3 +242,11 @@ def test_the_read_probe_compiles_to_16_byte_loads() -> None:
 def test_a_misaligned_chunk_table_is_refused() -> None:
     with pytest.raises(ValueError, match="16-byte aligned"):
         probe_module._chunk_table(lambda offset: 0x1004 + offset, 1 << 16, 4096, 4, 0, torch.device("cpu"))
+
+
+def test_the_probes_docstring_gives_the_read_sizes_it_measures() -> None:
+    """The module docstring is the legend of the probe's rows: its range of chunk sizes must be what FULL measures."""
+    stated = re.search(r"(\d+) KiB to (\d+) MiB per chunk", probe_module.__doc__)
+    assert stated is not None
+    sizes = probe_module.FULL["read_sizes"]
+    assert (int(stated[1]) * 2**10, int(stated[2]) * 2**20) == (min(sizes), max(sizes))
