@@ -249,3 +249,17 @@ def test_the_every_rate_check_launches_only_the_forms_asked_for(monkeypatch: pyt
             moe_layers.assert_dequantize_every_rate(torch.float16, torch.device("cpu"), (form,),
                                                     moe_layers.ALL_RATES[:4])
         assert launched.value.args[0] == form
+
+
+@pytest.mark.parametrize("lane", ["k4-5", "k8"])
+def test_a_lane_checks_every_rate_it_holds(monkeypatch: pytest.MonkeyPatch, lane: str) -> None:
+    """The every-rate check leaves one matrix undecoded (below min_rows): an extra one, so that each (K, codebook) a
+    lane asks for is decoded and compared, a lane of three (k8) too. In the interpreter, plain form (no compile)."""
+    from support import moe_layers
+
+    checked = []
+    reference = moe_layers.rotated_weight
+    monkeypatch.setattr(moe_layers, "rotated_weight", lambda layer: checked.append(layer.name) or reference(layer))
+    rates = _gpu_test_module("test_triton_gpu").EVERY_RATE_LANES[lane]
+    moe_layers.assert_dequantize_every_rate(torch.float32, torch.device("cpu"), ((False, False),), rates)
+    assert len(checked) == len(rates) == len(set(checked))
