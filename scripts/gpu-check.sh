@@ -183,7 +183,7 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
         ( start=$(date +%s)
           # one autotune cache per step (exllamav3 writes its file in place); one Inductor compile worker each
-          export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/${logs[i]##*/}" TORCHINDUCTOR_COMPILE_THREADS=1
+          export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/$(basename "${logs[i]}" .log)" TORCHINDUCTOR_COMPILE_THREADS=1
           mkdir -p "$EXLLAMAV3_TUNE_CACHE"
           eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "${logs[i]}" 2>&1
           echo "$? $(( $(date +%s) - start ))" > "${logs[i]}.rc" ) &
