@@ -55,14 +55,22 @@ mkdir -p "$SCRATCH/lanes"
 trap 'rm -rf "$SCRATCH"' EXIT
 exec > >(tee -a "$RESULTS_DIR/gpu-check.log") 2>&1
 
-emit() {  # emit KEY=VALUE ...: one JSON object appended to gpu-check.jsonl (numbers stay numbers)
+emit() {  # emit KEY=VALUE ... [-- KEY=VALUE ...]: JSON objects appended to gpu-check.jsonl (numbers stay numbers)
+    if [ -n "${HELD+x}" ]; then  # cut_short's rows: one python for all of them (it has seconds before SIGKILL)
+        HELD+=("$@" --)
+        return
+    fi
     "$PY" -c '
 import json, sys
 row = {}
-for arg in sys.argv[1:]:
+for arg in sys.argv[1:] + ["--"]:
+    if arg == "--":
+        if row:
+            print(json.dumps(row), flush=True)
+        row = {}
+        continue
     key, _, value = arg.partition("=")
-    row[key] = int(value) if value.lstrip("-").isdigit() else value
-print(json.dumps(row), flush=True)' "$@" >> "$RESULTS"
+    row[key] = int(value) if value.lstrip("-").isdigit() else value' "$@" >> "$RESULTS"
 }
 
 if [ "$DRY" = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -177,6 +185,7 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         LANE=$(( LANE + 1 ))
         logs[i]=$(printf '%02d-%s' "$LANE" "$(tr -cs 'A-Za-z0-9' '-' <<< "${keys[i]}")")
         logs[i]="$SCRATCH/lanes/${logs[i]%-}.log"
+        : > "${logs[i]}"  # there from the start: a step cut short before its shell ran has its (empty) log packed
     done
     IN_FLIGHT=("${names[@]}") IN_FLIGHT_LOGS=("${logs[@]}") IN_FLIGHT_LIMIT=$longest
     for i in "${!names[@]}"; do
@@ -208,6 +217,7 @@ cut_short() {  # on the run's bound: `timeout` signals the whole process group, 
     trap '' TERM INT PIPE
     exec >> "$RESULTS_DIR/gpu-check.log" 2>&1  # the tee is gone: straight to the log
     local i rc seconds
+    HELD=()
     for i in "${!IN_FLIGHT[@]}"; do
         if read -r rc seconds < "${IN_FLIGHT_LOGS[i]}.rc" 2>/dev/null; then  # a side-by-side step that had ended
             record "${IN_FLIGHT[i]}" "$IN_FLIGHT_LIMIT" "$rc" "$seconds" "${IN_FLIGHT_LOGS[i]}"
@@ -220,6 +230,9 @@ cut_short() {  # on the run's bound: `timeout` signals the whole process group, 
     pack_lanes
     emit step=summary status=failed dry_run="$DRY" failed="${failed[*]:-} (the run was cut short)" \
         skipped="${skipped[*]:-}"
+    local rows=("${HELD[@]}")
+    unset HELD
+    emit "${rows[@]}"
     echo "gpu-check: FAILED: cut short by the run's bound ($TOTAL_S s): ${failed[*]:-}"
     exit 1
 }
