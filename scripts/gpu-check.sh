@@ -210,8 +210,9 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         rm -f "${logs[i]}.rc"
     done
 }
-pack_lanes() {  # pack_lanes: the side-by-side steps' logs so far into lanes.tar.gz (replaced whole, never torn)
-    tar -czf "$SCRATCH/lanes.tar.gz" -C "$SCRATCH" --exclude='*.rc' lanes && mv -f "$SCRATCH/lanes.tar.gz" "$LANES"
+pack_lanes() {  # pack_lanes: the side-by-side steps' logs so far into lanes.tar.gz, replaced by a rename in its own
+    # folder (never torn; SIGKILL mid-tar leaves at most lanes.tar.gz.part beside it, a 7th file)
+    tar -czf "$LANES.part" -C "$SCRATCH" --exclude='*.rc' lanes && mv -f "$LANES.part" "$LANES"
 }
 cut_short() {  # on the run's bound: `timeout` signals the whole process group, this script, its steps, the log's tee
     trap '' TERM INT PIPE
