@@ -203,7 +203,9 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
     pack_lanes
     for i in "${!names[@]}"; do
         echo "== ${names[i]}: output (${logs[i]##*/} in $LANES)"
-        cat "${logs[i]}"
+        # at most its last 256 KiB here: the device tool drops a file over 16 MiB, this log with it
+        [ "$(stat -c %s "${logs[i]}")" -le 262144 ] || echo "[... its start: in $LANES]"
+        tail -c 262144 "${logs[i]}"
         rc=255 seconds=0  # a step whose shell died before writing its status failed (not: the previous one's)
         read -r rc seconds < "${logs[i]}.rc" 2>/dev/null || rc=255
         record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "${logs[i]}"
