@@ -157,6 +157,7 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
     assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed"
     assert "gpu-check: FAILED" in result.stdout
     assert_what_comes_back_whole(out)
+    assert "Architecture" in (out / "machine.txt").read_text()  # the first step's, whatever follows
 
 
 def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_path: Path) -> None:
