@@ -278,8 +278,10 @@ lanes() {  # lanes PREFIX TEST WHAT: queue a step per planned step named PREFIX 
 
 machine_facts() {  # machine_facts: what the results were measured on (the first step writes it to machine.txt)
     if [ "$DRY" = 1 ]; then echo "dry run: nvidia-smi not queried"; else nvidia-smi -q || return; fi
-    lscpu || return
-    if command -v numactl > /dev/null; then numactl -H; else echo "numactl: not on this machine"; fi
+    local tool
+    for tool in lscpu "numactl -H"; do  # the host's facts, where its tools are there (not the GPU's: no fault)
+        if command -v "${tool%% *}" > /dev/null; then $tool; else echo "${tool%% *}: not on this machine"; fi
+    done
     "$PY" -c '
 from importlib.metadata import PackageNotFoundError, version
 for name in ("torch", "triton", "numpy", "safetensors", "pytest"):
