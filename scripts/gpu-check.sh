@@ -6,20 +6,28 @@
 #
 #   scripts/gpu-check.sh [--dry-run] [RESULTS_DIR]        RESULTS_DIR defaults to $OUT, else /tmp/gpu-check
 #
-# Each step runs under its own time budget, derived from the compile census (vllm_expert_offload/tools/
-# gpu_check_budget.py: the step's own seconds plus the Triton variants it compiles, each at its measured compile
-# time, printed with its source before the first step, with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s).
-# The essentials first: the GPU tests (mapped arena, pointer tables, host tier, the Triton MoE against the torch
-# reference, CUDA-graph replay, ...) side by side, each its own pytest (their compiles spread over the cores), then
-# the benchmarks alone. A step (or side-by-side group) whose budget does not fit the time left is not started (a
-# step killed mid-compile measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are
-# bound by their own seconds, 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as
-# soon as it ends (with the tail of its output when it fails), the probe's and the benchmark's rows to probe.jsonl and
-# bench.jsonl as they are measured, everything printed to gpu-check.log. Exit status: 0 when every step that could run
-# passed (the engine steps are skipped without vLLM), 1 when one failed or was not reached, 2 at once without a CUDA
-# device (a run on the wrong machine is never a pass). --dry-run walks the same steps on a machine without CUDA, each
-# CUDA part stubbed (GPU tests collected, not run; probe and benchmark at tiny sizes in Triton's interpreter): the
-# plumbing, as tests/tools/test_gpu_check.py runs it.
+# The lent machine's run: run(command='scripts/gpu-check.sh "$OUT"', carry=[".gpucheck"], timeout_s=540).
+#
+# First machine.txt (nvidia-smi -q, lscpu, numactl -H where present, the versions of torch, Triton, numpy,
+# safetensors and pytest). Each step runs under its own time budget, derived from the compile census
+# (vllm_expert_offload/tools/gpu_check_budget.py: the step's own seconds plus the Triton variants it compiles, each at
+# its measured compile time times the decode copies its tables hold, printed with its source before the first step,
+# with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s). The essentials first: the GPU tests (mapped arena,
+# pointer tables, host tier, the Triton MoE against the torch reference, CUDA-graph replay, ...) side by side, each its
+# own pytest (their compiles spread over the 16 cores; the mixed tables split into lanes, two rates, two codebooks,
+# every K and codebook in lanes of two Ks, so that no lane is longer than the run allows), then the benchmarks alone.
+# A step (or side-by-side group) whose budget does not fit the time left is not started (a step killed mid-compile
+# measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are bound by their own seconds,
+# 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as soon as it ends (with the tail of
+# its output when it fails), the probe's and the benchmark's rows to probe.jsonl and bench.jsonl as they are measured,
+# everything printed to gpu-check.log, the side-by-side steps' own logs (NN-step.log) to lanes.tar.gz as each group
+# ends. Those six files are all RESULTS_DIR holds (the device tool sends back at most 8 files); scratch (the logs as
+# they come, exllamav3's autotune caches) lives outside it and is never sent back. Cut short by its bound, the run
+# records the steps then running as failed, packs their logs so far and fails. Exit status: 0 when every step that
+# could run passed (the engine steps are skipped without vLLM), 1 when one failed or was not reached, 2 at once
+# without a CUDA device (a run on the wrong machine is never a pass). --dry-run walks the same steps on a machine
+# without CUDA, each CUDA part stubbed (GPU tests collected, not run; probe and benchmark at tiny sizes in Triton's
+# interpreter): the plumbing, as tests/tools/test_gpu_check.py runs it.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # absolute: the bounded re-exec below runs after the cd
 cd "$(dirname "$SELF")/.."
@@ -37,16 +45,32 @@ RESULTS_DIR="${1:-${OUT:-/tmp/gpu-check}}"
 PY="${PYTHON:-python3}"
 mkdir -p "$RESULTS_DIR"
 RESULTS="$RESULTS_DIR/gpu-check.jsonl"
+# What the lent machine sends back is RESULTS_DIR alone, and at most 8 plain files of it (docs/development.md): this
+# run writes 6 there, gpu-check.jsonl, gpu-check.log, machine.txt, probe.jsonl, bench.jsonl and lanes.tar.gz (the
+# side-by-side steps' logs, packed as each group ends). Their logs and exllamav3's autotune caches live in SCRATCH,
+# outside it; the caches are never sent back.
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-scratch.XXXXXX")
+LANES="$RESULTS_DIR/lanes.tar.gz"
+mkdir -p "$SCRATCH/lanes"
+trap 'rm -rf "$SCRATCH"' EXIT
 exec > >(tee -a "$RESULTS_DIR/gpu-check.log") 2>&1
 
-emit() {  # emit KEY=VALUE ...: one JSON object appended to gpu-check.jsonl (numbers stay numbers)
+emit() {  # emit KEY=VALUE ... [-- KEY=VALUE ...]: JSON objects appended to gpu-check.jsonl (numbers stay numbers)
+    if [ -n "${HELD+x}" ]; then  # cut_short's rows: one python for all of them (it has seconds before SIGKILL)
+        HELD+=("$@" --)
+        return
+    fi
     "$PY" -c '
 import json, sys
 row = {}
-for arg in sys.argv[1:]:
+for arg in sys.argv[1:] + ["--"]:
+    if arg == "--":
+        if row:
+            print(json.dumps(row), flush=True)
+        row = {}
+        continue
     key, _, value = arg.partition("=")
-    row[key] = int(value) if value.lstrip("-").isdigit() else value
-print(json.dumps(row), flush=True)' "$@" >> "$RESULTS"
+    row[key] = int(value) if value.lstrip("-").isdigit() else value' "$@" >> "$RESULTS"
 }
 
 if [ "$DRY" = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -65,12 +89,13 @@ EXT_DIR="${EXLLAMAV3_EXT_DIR:-$PWD/.gpucheck}"
 if [ -f "$EXT_DIR/exllamav3_ext/__init__.py" ]; then
     export PYTHONPATH="$EXT_DIR:$PYTHONPATH"
 fi
-export EXLLAMAV3_TUNE_CACHE="${TMPDIR:-/tmp}/gpu-check-exl3-tune"  # exl3_gemm's autotune cache, fresh per machine
+export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/alone"  # exl3_gemm's autotune cache, fresh per run
 mkdir -p "$EXLLAMAV3_TUNE_CACHE"
 
 failed=()
 skipped=()
 declare -A RUN_S BUDGET_S SOURCE
+PLANNED=()  # the planned steps' names, in order
 if ! plan=$("$PY" -m vllm_expert_offload.tools.gpu_check_budget); then
     echo "gpu-check: the step budgets could not be derived (vllm_expert_offload.tools.gpu_check_budget failed)" >&2
     emit step=budgets status=failed reason="vllm_expert_offload.tools.gpu_check_budget failed"
@@ -83,6 +108,7 @@ while IFS=$'\t' read -r key run budget source beside; do
         continue
     fi
     RUN_S["$key"]=$run BUDGET_S["$key"]=$budget SOURCE["$key"]=$source
+    PLANNED+=("$key")
     echo "   $key: $budget s = $source${beside:+ [beside the other $beside]}"
 done <<< "$plan"
 budget_of() {  # budget_of NAME: KEY and BUDGET of the step NAME starts with (1 when it has none)
@@ -121,13 +147,13 @@ step() {  # step NAME COMMAND...: run within NAME's budget, record the result, g
     budget_of "$name" || return 0
     fits "$name" "$BUDGET" "${SOURCE[$KEY]}" || return 0
     echo "== $name (at most $BUDGET s: ${SOURCE[$KEY]})"
-    local log start rc
-    log=$(mktemp)
+    local log="$SCRATCH/step.log" start rc
+    IN_FLIGHT=("$name") IN_FLIGHT_LOGS=("$log") IN_FLIGHT_LIMIT=$BUDGET
     start=$(date +%s)
     timeout --kill-after=5 "$BUDGET" "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
+    IN_FLIGHT=()
     record "$name" "$BUDGET" "$rc" $(( $(date +%s) - start )) "$log"
-    rm -f "$log"
     return 0
 }
 BESIDE=()  # the queued side-by-side steps: NAME, then its command quoted for eval
@@ -135,7 +161,7 @@ beside() {  # beside NAME COMMAND...: queue NAME to start with the others queued
     BESIDE+=("$1" "$(printf '%q ' "${@:2}")")
 }
 together() {  # together: start the queued steps at once, each within its budget; record each, in queued order
-    local names=() keys=() budgets=() cmds=() pids=() longest=0 i KEY BUDGET dir rc seconds
+    local names=() keys=() budgets=() cmds=() pids=() logs=() longest=0 i KEY BUDGET rc seconds
     for (( i = 0; i < ${#BESIDE[@]}; i += 2 )); do
         budget_of "${BESIDE[i]}" || continue
         names+=("${BESIDE[i]}") keys+=("$KEY") budgets+=("$BUDGET") cmds+=("${BESIDE[i + 1]}")
@@ -155,28 +181,67 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         done
         return 0
     fi
-    dir="$RESULTS_DIR/side-by-side"  # each step's output as it comes: kept should the run be cut short
-    mkdir -p "$dir"
+    for i in "${!names[@]}"; do  # each step's output as it comes, NN-name.log in lanes.tar.gz
+        LANE=$(( LANE + 1 ))
+        logs[i]=$(printf '%02d-%s' "$LANE" "$(tr -cs 'A-Za-z0-9' '-' <<< "${keys[i]}")")
+        logs[i]="$SCRATCH/lanes/${logs[i]%-}.log"
+        : > "${logs[i]}"  # there from the start: a step cut short before its shell ran has its (empty) log packed
+    done
+    IN_FLIGHT=("${names[@]}") IN_FLIGHT_LOGS=("${logs[@]}") IN_FLIGHT_LIMIT=$longest
     for i in "${!names[@]}"; do
         echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
         ( start=$(date +%s)
           # one autotune cache per step (exllamav3 writes its file in place); one Inductor compile worker each
-          export EXLLAMAV3_TUNE_CACHE="$dir/$i.tune" TORCHINDUCTOR_COMPILE_THREADS=1
+          export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/$(basename "${logs[i]}" .log)" TORCHINDUCTOR_COMPILE_THREADS=1
           mkdir -p "$EXLLAMAV3_TUNE_CACHE"
-          eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "$dir/$i.log" 2>&1
-          echo "$? $(( $(date +%s) - start ))" > "$dir/$i.rc" ) &
+          eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "${logs[i]}" 2>&1
+          echo "$? $(( $(date +%s) - start ))" > "${logs[i]}.rc" ) &
         pids+=($!)
     done
     wait "${pids[@]}"
+    IN_FLIGHT=()
+    pack_lanes
     for i in "${!names[@]}"; do
-        echo "== ${names[i]}: output ($dir/$i.log)"
-        cat "$dir/$i.log"
+        echo "== ${names[i]}: output (${logs[i]##*/} in $LANES)"
+        # at most its last 256 KiB here: the device tool drops a file over 16 MiB, this log with it
+        [ "$(stat -c %s "${logs[i]}")" -le 262144 ] || echo "[... its start: in $LANES]"
+        tail -c 262144 "${logs[i]}"
         rc=255 seconds=0  # a step whose shell died before writing its status failed (not: the previous one's)
-        read -r rc seconds < "$dir/$i.rc" 2>/dev/null || rc=255
-        record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "$dir/$i.log"
-        rm -f "$dir/$i.rc"
+        read -r rc seconds < "${logs[i]}.rc" 2>/dev/null || rc=255
+        record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "${logs[i]}"
+        rm -f "${logs[i]}.rc"
     done
 }
+pack_lanes() {  # pack_lanes: the side-by-side steps' logs so far into lanes.tar.gz, replaced by a rename in its own
+    # folder (never torn; SIGKILL mid-tar leaves at most lanes.tar.gz.part beside it, a 7th file)
+    tar -czf "$LANES.part" -C "$SCRATCH" --exclude='*.rc' lanes && mv -f "$LANES.part" "$LANES"
+}
+cut_short() {  # on the run's bound: `timeout` signals the whole process group, this script, its steps, the log's tee
+    trap '' TERM INT PIPE
+    exec >> "$RESULTS_DIR/gpu-check.log" 2>&1  # the tee is gone: straight to the log
+    local i rc seconds
+    HELD=()
+    for i in "${!IN_FLIGHT[@]}"; do
+        if read -r rc seconds < "${IN_FLIGHT_LOGS[i]}.rc" 2>/dev/null; then  # a side-by-side step that had ended
+            record "${IN_FLIGHT[i]}" "$IN_FLIGHT_LIMIT" "$rc" "$seconds" "${IN_FLIGHT_LOGS[i]}"
+            continue
+        fi
+        failed+=("${IN_FLIGHT[i]} (cut short)")
+        emit step="${IN_FLIGHT[i]}" status=failed dry_run="$DRY" \
+            reason="cut short: the run's bound of $TOTAL_S s was reached" tail="$(tail -c 3000 "${IN_FLIGHT_LOGS[i]}")"
+    done
+    pack_lanes
+    emit step=summary status=failed dry_run="$DRY" failed="${failed[*]:-} (the run was cut short)" \
+        skipped="${skipped[*]:-}"
+    local rows=("${HELD[@]}")
+    unset HELD
+    emit "${rows[@]}"
+    echo "gpu-check: FAILED: cut short by the run's bound ($TOTAL_S s): ${failed[*]:-}"
+    exit 1
+}
+IN_FLIGHT=() IN_FLIGHT_LOGS=() IN_FLIGHT_LIMIT=0  # the steps running now, their logs and bound: see cut_short
+LANE=0  # side-by-side steps started so far (their logs' numbers)
+trap cut_short TERM INT
 skip() {  # skip NAME REASON
     echo "== $1: skipped: $2"
     skipped+=("$1 ($2)")
@@ -202,9 +267,32 @@ gpu_tests() {  # gpu_tests NAME TEST...: queue NAME, pytest's GPU tests among TE
     beside "$name" "${CMD[@]}"
 }
 
-pick nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.max.sm \
-    --format=csv -- echo "dry run: nvidia-smi not queried"
-step machine "${CMD[@]}"
+lanes() {  # lanes PREFIX TEST WHAT: queue a step per planned step named PREFIX + ID, each running TEST[ID]
+    local key
+    for key in "${PLANNED[@]}"; do
+        if [[ "$key" == "$1"* ]]; then
+            gpu_tests "$key: $3" "$2[${key#"$1"}]"
+        fi
+    done
+}
+
+machine_facts() {  # machine_facts: what the results were measured on (the first step writes it to machine.txt)
+    if [ "$DRY" = 1 ]; then echo "dry run: nvidia-smi not queried"; else nvidia-smi -q || return; fi
+    local tool
+    for tool in lscpu "numactl -H"; do  # the host's facts, where its tools are there (not the GPU's: no fault)
+        if command -v "${tool%% *}" > /dev/null; then $tool; else echo "${tool%% *}: not on this machine"; fi
+    done
+    "$PY" -c '
+from importlib.metadata import PackageNotFoundError, version
+for name in ("torch", "triton", "numpy", "safetensors", "pytest"):
+    try:
+        print(name, version(name))
+    except PackageNotFoundError:
+        print(name, "not installed")'
+}
+export -f machine_facts
+export DRY PY
+step machine bash -o pipefail -c 'machine_facts | tee "$1"' machine "$RESULTS_DIR/machine.txt"
 step versions "$PY" -c "
 import sys, torch, triton
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)
@@ -226,11 +314,11 @@ gpu_tests "Triton MoE vs torch reference (fused and glue, host tier over PCIe) a
     "$TRITON::test_compiled_moe_matches_reference_with_host_tier_over_pcie" "$TRITON::test_cuda_graph_replay_equals_eager"
 gpu_tests "Triton prefill (decode-once, grouped GEMMs) vs torch reference" \
     "$TRITON::test_compiled_prefill_matches_reference_with_host_tier_over_pcie"
-gpu_tests "Triton mixed rates vs torch reference" "$TRITON::test_compiled_moe_of_mixed_rates_matches_reference"
-gpu_tests "Triton every rate below K 4: decode-once in this device's fold form" \
-    "$TRITON::test_compiled_dequantize_in_this_devices_fold_form[below_k4]"
-gpu_tests "Triton every rate from K 4: decode-once in this device's fold form" \
-    "$TRITON::test_compiled_dequantize_in_this_devices_fold_form[from_k4]"
+# The mixed tables, split so that no step is longer than the run allows: two rates, two codebooks, and every K and
+# codebook in lanes of two Ks (gpu_check_budget plans each lane, its test's parameter).
+lanes "Triton mixed " "$TRITON::test_compiled_moe_of_mixed_tables_matches_reference" "vs torch reference"
+lanes "Triton every rate " "$TRITON::test_compiled_dequantize_in_this_devices_fold_form" \
+    "decode-once in this device's fold form, every codebook of its Ks"
 gpu_tests "exllamav3 kernels (where its extension was carried) vs torch reference, graph replay" \
     tests/kernels/test_exllamav3_gpu.py
 # Issue 20 item 4: every backend's forward under torch.compile with CUDA-graph capture (reduce-overhead) vs eager.

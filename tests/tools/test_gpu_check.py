@@ -9,7 +9,9 @@ import json
 import os
 import re
 import subprocess
+import signal
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -24,8 +26,9 @@ SCRIPT = REPO / "scripts" / "gpu-check.sh"
 # The essentials first (arena, tables, host tier, the Triton MoE against the torch reference, graph replay: side by
 # side), the benchmarks after them, alone.
 STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
-         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton every rate below K 4",
-         "Triton every rate from K 4", "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
+         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton mixed codebooks",
+         *(f"Triton every rate {lane}: " for lane in ("k1-1.5", "k2-2.5", "k3-3.5", "k4-5", "k6-7", "k8")),
+         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
          "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
@@ -40,6 +43,26 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_what_comes_back_whole(results: Path) -> None:
+    """The device tool sends back from $OUT at most 8 plain files, 16 MiB each and 64 MiB in all, none more than 2
+    folders down, every file and folder named in letters, digits, '.', '_' and '-' (docs/development.md): what
+    breaks a rule is left behind, so RESULTS_DIR must keep them all, whatever the run did."""
+    entries = list(results.rglob("*"))
+    files = [p for p in entries if not p.is_dir()]
+    assert all(p.is_file() and not p.is_symlink() for p in files), entries
+    assert len(files) <= 8, sorted(str(p.relative_to(results)) for p in files)
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in entries), entries
+    assert all(len(p.relative_to(results).parts) <= 3 for p in files), files
+    sizes = [p.stat().st_size for p in files]
+    assert max(sizes) <= 16 << 20 and sum(sizes) <= 64 << 20, sizes
+
+
+def _lane_logs(results: Path) -> dict[str, str]:
+    """lanes.tar.gz's logs, by name (NN-step.log)."""
+    with tarfile.open(results / "lanes.tar.gz") as archive:
+        return {Path(m.name).name: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float,
@@ -70,6 +93,20 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
     assert {r["row"] for r in bench} >= {"moe", "moe_fp16_dense", "linear"}
     log = (out / "gpu-check.log").read_text()
     assert "== Triton MoE vs torch reference" in log and "gpu-check: all steps that could run passed" in log
+    # What comes back from the lent machine: every result file, the side-by-side steps' logs in one archive (one log
+    # per step, numbered in the order they started), the machine they ran on; no autotune cache.
+    assert_what_comes_back_whole(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu-check.jsonl", "gpu-check.log", "machine.txt", "probe.jsonl", "bench.jsonl", "lanes.tar.gz"])
+    beside = [r for r in steps if any(r["step"].startswith(plan.name) for plan in gpu_check_budget.STEPS
+                                      if plan.beside)]
+    logs = _lane_logs(out)
+    assert len(logs) == len(beside) >= 5 and sorted(logs)[2].startswith("03-mapped-host-memory"), sorted(logs)
+    assert all(re.fullmatch(r"\d\d-[A-Za-z0-9-]+\.log", name) for name in logs)
+    assert "test_arena.py" in logs[sorted(logs)[2]]
+    machine = (out / "machine.txt").read_text()
+    assert "dry run: nvidia-smi not queried" in machine and "Architecture" in machine  # lscpu's
+    assert re.search(r"^torch \d", machine, re.M) and re.search(r"^pytest \d", machine, re.M)
     # Each step's budget and where it comes from, before the first step: the compile census for those that compile.
     budgets = log[log.index("== step budgets"):log.index("== machine")]
     assert all(f"   {plan.name}: " in budgets for plan in gpu_check_budget.STEPS)
@@ -113,12 +150,43 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
     result, seconds = _run(["--dry-run", str(out)], env, timeout=300)
     assert result.returncode == 1 and seconds < total_s + 15
     steps = _rows(out / "gpu-check.jsonl")
-    assert steps[0] == {"step": "machine", "status": "passed", "seconds": 0, "dry_run": 1}
+    assert steps[0]["step"] == "machine" and steps[0]["status"] == "passed" and steps[0]["seconds"] <= 2
     unreached = [r for r in steps if r.get("reason", "").startswith(("not run", "timed out"))]
     assert unreached and all(r["status"] == "failed" and re.match(r"not run: needs \d+ s \(run \d+ s", r["reason"])
                              for r in unreached)
     assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed"
     assert "gpu-check: FAILED" in result.stdout
+    assert_what_comes_back_whole(out)
+    assert "Architecture" in (out / "machine.txt").read_text()  # the first step's, whatever follows
+
+
+def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_path: Path) -> None:
+    """At the run's bound `timeout` signals the script's whole process group, the log's tee included, mid side-by-side
+    group: the steps then running fail as cut short (the tail of their output kept), their logs so far are packed
+    into lanes.tar.gz, the summary fails the run, and RESULTS_DIR still holds what the device tool sends back."""
+    out = tmp_path / "results"
+    log = out / "gpu-check.log"
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run", str(out)], env=_env(tmp_path), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "== compiled exllamav3 forwards" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does at the bound
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert_what_comes_back_whole(out)
+    steps = _rows(out / "gpu-check.jsonl")
+    cut = [r for r in steps if r.get("reason", "").startswith("cut short")]
+    assert cut and all(r["status"] == "failed" and "tail" in r for r in cut)
+    assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed" and "cut short" in steps[-1]["failed"]
+    logs = _lane_logs(out)
+    assert len(logs) == len([plan for plan in gpu_check_budget.STEPS if plan.beside]) >= len(cut)
+    assert any(name.endswith("compiled-exllamav3-forwards.log") for name in logs)
+    assert "cut short by the run's bound" in log.read_text()
 
 
 def _gpu_test_module(name: str):
@@ -130,24 +198,26 @@ def _gpu_test_module(name: str):
 
 def test_the_budget_prices_the_layers_forms_and_tokens_the_gpu_tests_launch() -> None:
     """gpu_check_budget cannot import the tests, so this holds its plan to them: a layer of one rate wherever a test
-    is not about mixed rates, two rates in the mixed-rate test (each rate a decode compiled per call site), the
-    every-rate check in one fold form, the device's (as the runtime derives it), over tables splitting the rates as
-    the budget's two side-by-side steps do, and the token counts each step prices."""
+    is not about mixed tables, two rates of one codebook and two codebooks of one rate in the mixed-table tests (a
+    decode compiled per rate and a branch per codebook at each call site), the every-rate check in one fold form, the
+    device's (as the runtime derives it), over the lanes' tables (together every K and codebook, each lane's rates and
+    codebooks as priced), and the token counts each step prices."""
     from support import moe_layers
 
     gpu = _gpu_test_module("test_triton_gpu")
     layer = lambda name, rates: gpu_check_budget.CensusLayer(  # noqa: E731
         name, moe_layers.HIDDEN, moe_layers.INTERMEDIATE, len(moe_layers.TIERS), 2, tuple(rates), "fp32")
     assert gpu_check_budget.TESTS_LAYER == layer("gpu-tests", moe_layers.UNIFORM) and len(moe_layers.UNIFORM) == 1
-    assert gpu_check_budget.MIXED_LAYER == layer("gpu-tests-mixed", moe_layers.TWO_RATES)
-    assert len({k for k, _ in moe_layers.TWO_RATES}) == 2
+    assert gpu_check_budget.MIXED_LAYERS == {name: layer(f"gpu-tests-mixed-{name}", rates)
+                                             for name, rates in gpu.MIXED_TABLES.items()}
+    held = lambda rates: (len({k for k, _ in rates}), len({cb for _, cb in rates}))  # noqa: E731
+    assert {name: held(rates) for name, rates in gpu.MIXED_TABLES.items()} == {"rates": (2, 1), "codebooks": (1, 2)}
     assert (gpu_check_budget.DECODE_TOKENS, gpu_check_budget.GRAPH_TOKENS) == (gpu.DECODE_TOKENS, gpu.GRAPH_TOKENS)
     assert gpu_check_budget.PREFILL_TOKENS == (gpu.PREFILL_TOKENS,)
     assert gpu_check_budget.MIXED_TOKENS == (gpu.MIXED_TOKENS,)
-    halves = list(gpu.EVERY_RATE_HALVES.values())
-    assert sorted(halves[0] + halves[1]) == sorted(moe_layers.ALL_RATES)
-    assert [len({k for k, _ in half}) for half in halves] == [
-        gpu_check_budget.EVERY_RATE_BELOW_K4, gpu_check_budget.EVERY_RATE - gpu_check_budget.EVERY_RATE_BELOW_K4]
+    lanes = gpu.EVERY_RATE_LANES
+    assert sorted(r for rates in lanes.values() for r in rates) == sorted(moe_layers.ALL_RATES)
+    assert gpu_check_budget.EVERY_RATE_LANES == tuple((lane, *held(rates)) for lane, rates in lanes.items())
     cpu = torch.device("cpu")
     assert moe_layers.device_fold_form(cpu) == ((True, split_fold(cpu)),)
     assert len(moe_layers.EVERY_FORM) == 3  # the interpreter's check: every form
@@ -181,3 +251,17 @@ def test_the_every_rate_check_launches_only_the_forms_asked_for(monkeypatch: pyt
             moe_layers.assert_dequantize_every_rate(torch.float16, torch.device("cpu"), (form,),
                                                     moe_layers.ALL_RATES[:4])
         assert launched.value.args[0] == form
+
+
+@pytest.mark.parametrize("lane", ["k4-5", "k8"])
+def test_a_lane_checks_every_rate_it_holds(monkeypatch: pytest.MonkeyPatch, lane: str) -> None:
+    """The every-rate check leaves one matrix undecoded (below min_rows): an extra one, so that each (K, codebook) a
+    lane asks for is decoded and compared, a lane of three (k8) too. In the interpreter, plain form (no compile)."""
+    from support import moe_layers
+
+    checked = []
+    reference = moe_layers.rotated_weight
+    monkeypatch.setattr(moe_layers, "rotated_weight", lambda layer: checked.append(layer.name) or reference(layer))
+    rates = _gpu_test_module("test_triton_gpu").EVERY_RATE_LANES[lane]
+    moe_layers.assert_dequantize_every_rate(torch.float32, torch.device("cpu"), ((False, False),), rates)
+    assert len(checked) == len(rates) == len(set(checked))

@@ -4,11 +4,13 @@ the lent machine never kills a step mid-compile; a variant an earlier step compi
 
 from __future__ import annotations
 
+import math
 import re
 
 from vllm_expert_offload.tools.compile_census import CensusLayer
 from vllm_expert_offload.tools.gpu_check_budget import (
     COMPILE_S,
+    MIXED_COPY_S_RATIO,
     STEPS,
     TESTS_LAYER,
     StepPlan,
@@ -22,27 +24,34 @@ from support.paths import REPO
 
 UNIFORM = CensusLayer("u", 256, 256, 4, 2, ((3.0, "mul1"),), "bf16")
 TWO_RATES = CensusLayer("m", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "mul1")), "bf16")
+THREE_RATES_TWO_CODEBOOKS = CensusLayer("m3", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "mcg"), (4.0, "mul1")), "bf16")
 
 
 def _compile_s(plans: tuple[StepPlan, ...]) -> list[int]:
     return [seconds - run for _, run, seconds, _, _ in budgets(plans)]
 
 
-def test_a_step_pays_for_the_variants_it_compiles_per_rate_held() -> None:
-    """At one token a MoE forward launches gate/up, down and the sum once each; a table of two rates compiles two
-    decodes per variant, so its gate/up and down cost twice; the sum decodes nothing."""
+def test_a_step_pays_for_the_decode_copies_it_compiles() -> None:
+    """At one token a MoE forward launches gate/up, down and the sum once each. A table of two rates compiles two
+    decodes per variant at the mixed copy's price, so its gate/up and down cost 2 x 1.3 times; three rates over two
+    codebooks, 3 x 2 copies (a branch per codebook in each rate's decode, counted whole); the sum decodes nothing.
+    (The pricing before, the widest table's rates, gave 2 and 3.)"""
     (uniform,) = _compile_s((StepPlan("u", 5, ((UNIFORM, (1,)),)),))
     (mixed,) = _compile_s((StepPlan("m", 5, ((TWO_RATES, (1,)),)),))
+    (mixed3,) = _compile_s((StepPlan("m3", 5, ((THREE_RATES_TWO_CODEBOOKS, (1,)),)),))
     one = COMPILE_S["moe_gate_up_kernel"] + COMPILE_S["moe_down_kernel"]
+    assert MIXED_COPY_S_RATIO > 1
     assert uniform == one + COMPILE_S["moe_sum_kernel"]
-    assert mixed == 2 * one + COMPILE_S["moe_sum_kernel"]
+    assert mixed == math.ceil(2 * MIXED_COPY_S_RATIO * one + COMPILE_S["moe_sum_kernel"])
+    assert mixed3 == math.ceil(6 * MIXED_COPY_S_RATIO * one + COMPILE_S["moe_sum_kernel"])
 
 
 def test_what_an_earlier_step_compiled_is_free_and_direct_launches_count() -> None:
     first = StepPlan("a", 1, ((UNIFORM, (1, 300)),))
-    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 2),))
-    assert _compile_s((first, again))[1] == 22 * COMPILE_S["dequantize_kernel"]
-    assert _compile_s((again,))[0] > 22 * COMPILE_S["dequantize_kernel"]
+    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 3, 2),))
+    direct = math.ceil(2 * 33 * MIXED_COPY_S_RATIO * COMPILE_S["dequantize_kernel"])  # 11 rates x 3 codebooks, twice
+    assert _compile_s((first, again))[1] == direct
+    assert _compile_s((again,))[0] > direct
 
 
 def test_the_gpu_tests_layer_is_the_one_the_tests_build() -> None:
@@ -66,18 +75,28 @@ def test_side_by_side_steps_compile_for_themselves_and_last_as_their_longest() -
 
 
 def test_every_step_of_the_script_has_a_plan() -> None:
-    """Each `step "NAME"` of gpu-check.sh (run alone), `beside`/`gpu_tests "NAME"` (side by side) and each engine step
-    begins with one plan's name, in the script's order: the script refuses a step without one."""
+    """Each `step "NAME"` of gpu-check.sh (run alone), `beside`/`gpu_tests "NAME"` (side by side), each plan a
+    `lanes "PREFIX"` queues (one per plan named PREFIX + its lane) and each engine step begins with exactly one plan's
+    name (the script takes a step's budget from the plan its name begins with: two would be a guess), in the
+    script's order: the script refuses a step without one."""
     script = (REPO / "scripts" / "gpu-check.sh").read_text()
     engine = re.search(r"ENGINE_STEPS=\(\"([^\"]+)\"\s+\"([^\"]+)\"\)", script).groups()
     names = []
-    for quoted, bare in re.findall(r'^\s*(?:step|beside|gpu_tests) (?:"([^"]+)"|(\S+)) ', script, re.M):
+    for verb, quoted, bare in re.findall(r'^\s*(?:step|beside|gpu_tests|(lanes)) (?:"([^"]+)"|(\S+)) ', script, re.M):
         name = quoted or bare
-        if name == "$name":  # gpu_tests passing its own argument on to beside
-            continue
         index = re.fullmatch(r"\$\{ENGINE_STEPS\[(\d)\]\}", name)
-        names.append(engine[int(index.group(1))] if index else name)
-    plans = [next(p.name for p in STEPS if name.startswith(p.name)) for name in names]
+        if name.startswith("$") and not index:  # gpu_tests and lanes passing their arguments on
+            continue
+        if verb:
+            lanes = [p.name for p in STEPS if p.name.startswith(name)]
+            assert len(lanes) >= 2, name
+            names += lanes
+        else:
+            names.append(engine[int(index.group(1))] if index else name)
+    plans = []
+    for name in names:
+        (plan,) = [p.name for p in STEPS if name.startswith(p.name)]
+        plans.append(plan)
     assert plans == [p.name for p in STEPS]
 
 

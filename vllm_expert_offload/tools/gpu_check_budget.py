@@ -4,13 +4,14 @@ A lent GPU machine gives the whole check one command of at most 10 minutes (15 m
 step killed while Triton compiles has measured nothing. So each step's budget is its own work (`run_s`) plus the
 compiles it starts: the kernel variants it launches, counted as tools/compile_census.py counts a layer's (the
 backend's real forwards on meta tensors, every launch keyed as Triton's JIT keys it), each priced at its kernel's
-measured ahead-of-time compile seconds for sm_90 per rate its tables hold (a mixed table compiles one decode per rate
-present, kernels/triton_decode.py). Triton keeps compiled kernels on disk, so a variant an earlier step compiled
-costs a later step nothing: the steps are priced in the order the script runs them.
+measured ahead-of-time compile seconds for sm_90 times the decode copies it compiles (`decode_copies`). Triton keeps
+compiled kernels on disk, so a variant an earlier step compiled costs a later step nothing: the steps are priced in
+the order the script runs them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..kernels.matrix_table import present_values
@@ -20,6 +21,11 @@ from .compile_census import LAYERS, CensusLayer, layer_variants
 # the project's CI machine (2 shared vCPUs: no faster than the lent machine's host; Triton 3.9, CUDA 13 ptxas;
 # 2026-12-04, tools/compile_census.timed_compile over the Qwen3-30B-A3B census layer, K = 3: gate/up 13-23 s,
 # down 4-11 s), the largest seen, rounded up.
+# A mixed table's decode compiles one copy of the register decode per rate present (kernels/triton_decode.py), each
+# with a branch per codebook present, at every call site of every table it reads. Measured, one moe_gate_up variant
+# whose gate and up hold K = 2/3/4 (MUL1): 94.3 s for sm_90 (12-04), against COMPILE_S x 3 rates = 75 s: a copy in a
+# mixed variant costs MIXED_COPY_S_RATIO times a uniform variant's (the branches' shared register allocation).
+MIXED_COPY_S_RATIO = 1.3
 COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 1, "dequantize_kernel": 12,
              "grouped_gate_up_kernel": 10, "grouped_down_kernel": 10, "exl3_matmul_kernel": 8,
              # test_compiled_gpu.py's FusedTritonLinear (512 x 384, K = 4, fp32): 6.3 s (compile_census.timed_compile)
@@ -30,35 +36,42 @@ COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 
 class StepPlan:
     """One step of gpu-check.sh: its name's first words (as the script names it), its own seconds once its kernels
     are compiled, the MoE layers it builds with the token counts it runs them at, and the variants it launches
-    outside a MoE forward: (kernel, rates its table holds, variants). Steps of one `beside` group run side by side
-    (the script starts them together): each compiles what it launches itself, the group takes its longest step."""
+    outside a MoE forward: (kernel, rates its table holds, codebooks it holds, variants). Steps of one `beside` group
+    run side by side (the script starts them together): each compiles what it launches itself, the group takes its
+    longest step."""
 
     name: str
     run_s: int
     layers: tuple[tuple[CensusLayer, tuple[int, ...]], ...] = ()
-    direct: tuple[tuple[str, int, int], ...] = ()
+    direct: tuple[tuple[str, int, int, int], ...] = ()
     beside: str = ""
 
 
 # The GPU tests' layers (tests/support/moe_layers.py: six experts, fp32, top-2, 128 x 256): UNIFORM wherever a test is
-# not about mixed rates, at tests/kernels/test_triton_gpu.py's token counts (one per launch class the census tells
-# apart); TWO_RATES (its tables hold two rates and codebooks) in its one mixed-rate test. The exllamav3 tests' Triton
-# cross-check (tests/kernels/test_exllamav3_gpu.py: random_moe 512 x 256, 16 experts, top-4, K = 3 MUL1, fp16). The
-# benchmark's (benchmarks/bench_gpu_kernels.py --models qwen3_30b_a3b: the census's Qwen3 layer, K = 3 MUL1, bf16).
+# not about mixed tables, at tests/kernels/test_triton_gpu.py's token counts (one per launch class the census tells
+# apart); in its mixed-table tests (MIXED_TABLES, side by side) two rates of one codebook, and two codebooks of one
+# rate. The exllamav3 tests' Triton cross-check (tests/kernels/test_exllamav3_gpu.py: random_moe 512 x 256, 16
+# experts, top-4, K = 3 MUL1, fp16). The benchmark's (benchmarks/bench_gpu_kernels.py --models qwen3_30b_a3b: the
+# census's Qwen3 layer, K = 3 MUL1, bf16).
 TESTS_LAYER = CensusLayer("gpu-tests", 128, 256, 6, 2, ((3, "mul1"),), "fp32")
-MIXED_LAYER = CensusLayer("gpu-tests-mixed", 128, 256, 6, 2, ((3, "mul1"), (2, "3inst")), "fp32")
+MIXED_TABLES = {"rates": ((3, "mul1"), (2, "mul1")), "codebooks": ((3, "mul1"), (3, "3inst"))}
+MIXED_LAYERS = {name: CensusLayer(f"gpu-tests-mixed-{name}", 128, 256, 6, 2, rates, "fp32")
+                for name, rates in MIXED_TABLES.items()}
 EXLLAMAV3_LAYER = CensusLayer("exllamav3-tests", 512, 256, 16, 4, ((3, "mul1"),), "fp16")
 DECODE_TOKENS, PREFILL_TOKENS, GRAPH_TOKENS, MIXED_TOKENS = (1, 33), (300,), (4, 33), (1,)
 BENCH_LAYERS = LAYERS[:1]
-# assert_dequantize_every_rate's rates (every K and codebook; K 1, 1.5, ..., 3.5 and K 4-8 in two tables, side by
-# side), in the one fold form the device launches
-EVERY_RATE, EVERY_RATE_BELOW_K4 = 11, 6
+# assert_dequantize_every_rate's tables, in the one fold form the device launches: every K (1, 1.5, ..., 3.5, 4-8) and
+# codebook, in lanes of two consecutive Ks, each table with every codebook its Ks come in (tests/kernels/
+# test_triton_gpu.py's EVERY_RATE_LANES): (lane, rates, codebooks). Priced so, one table of all would compile 515 s
+# (11 rates x 3 codebooks), and the longer of two halves (K < 4, K >= 4) 281 s: past what the run has.
+EVERY_RATE_LANES = (("k1-1.5", 2, 3), ("k2-2.5", 2, 3), ("k3-3.5", 2, 3), ("k4-5", 2, 3), ("k6-7", 2, 3), ("k8", 1, 3))
+EVERY_RATE_STEP = "Triton every rate "  # + the lane: the step's name, as gpu-check.sh names it
 # A lent machine's whole run: one command of at most 600 s, with margin; the device time of its start counts too.
 RUN_LIMIT_S = 480
 MACHINE_START_S = 120  # "a minute or more" (the device README), twice; the command's own bound is GPU_CHECK_TOTAL_S
 
 STEPS = (
-    # Measured in a dry run on the 2-core CI machine: machine 0 s, versions 2 s, imports 13 s, topology 3 s.
+    # Measured in a dry run on the 2-core CI machine: machine 1 s, versions 2 s, imports 13 s, topology 3 s.
     StepPlan("machine", 10),
     StepPlan("versions", 20),
     # Then side by side (the lent machine's 16 cores compile, its GPU holds them all): the essentials, arena (UVA),
@@ -68,16 +81,15 @@ STEPS = (
     StepPlan("topology", 10, beside="GPU tests"),
     StepPlan("mapped host memory", 40, beside="GPU tests"),
     StepPlan("Triton MoE vs torch reference", 40, ((TESTS_LAYER, DECODE_TOKENS + GRAPH_TOKENS),),
-             (("exl3_matmul_kernel", 1, 1),), beside="GPU tests"),
-    StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1),),
+             (("exl3_matmul_kernel", 1, 1, 1),), beside="GPU tests"),
+    StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1, 1),),
              beside="GPU tests"),
-    StepPlan("Triton mixed rates", 20, ((MIXED_LAYER, MIXED_TOKENS),), beside="GPU tests"),
-    StepPlan("Triton every rate below K 4", 20, direct=(("dequantize_kernel", EVERY_RATE_BELOW_K4, 1),),
-             beside="GPU tests"),
-    StepPlan("Triton every rate from K 4", 20, direct=(("dequantize_kernel", EVERY_RATE - EVERY_RATE_BELOW_K4, 1),),
-             beside="GPU tests"),
+    *(StepPlan(f"Triton mixed {name}", 20, ((layer, MIXED_TOKENS),), beside="GPU tests")
+      for name, layer in MIXED_LAYERS.items()),
+    *(StepPlan(EVERY_RATE_STEP + lane, 20, direct=(("dequantize_kernel", rates, codebooks, 1),), beside="GPU tests")
+      for lane, rates, codebooks in EVERY_RATE_LANES),
     StepPlan("exllamav3 kernels", 60, ((EXLLAMAV3_LAYER, (1,)),), beside="GPU tests"),
-    StepPlan("compiled Triton forwards", 60, ((TESTS_LAYER, (4,)),), (("linear_kernel", 1, 1),), beside="GPU tests"),
+    StepPlan("compiled Triton forwards", 60, ((TESTS_LAYER, (4,)),), (("linear_kernel", 1, 1, 1),), beside="GPU tests"),
     StepPlan("compiled exllamav3 forwards", 45, beside="GPU tests"),
     # Then the benchmarks, alone on the machine (their timings must not share it).
     StepPlan("bandwidth probe", 50),
@@ -89,13 +101,20 @@ STEPS = (
 ENGINE_STEPS = ("install the plugin", "tiny EXL3 MoE", "tiny mixed pack")  # run only where vLLM is installed
 
 
-def _rates(key: tuple) -> int:
-    """Rates the widest table of a recorded launch holds (1 for a kernel that decodes none)."""
-    widest = 1
-    for param, kind, value in key[1]:
-        if kind == "constexpr" and param.startswith("TWICE_K"):  # a table's present_key (TWICE_K_GATE, ...)
-            widest = max(widest, len(present_values(value)))
-    return widest
+def table_copies(rates: int, codebooks: int) -> float:
+    """Decode copies one table compiles, in uniform variants' units: one per rate present, each with a branch per
+    codebook present (counted as a whole copy: an upper bound), a mixed table's at MIXED_COPY_S_RATIO."""
+    copies = rates * codebooks
+    return copies if copies == 1 else copies * MIXED_COPY_S_RATIO
+
+
+def decode_copies(key: tuple) -> float:
+    """A recorded launch's compile cost in its kernel's uniform variants: the mean over the tables it reads (gate/up
+    reads two, so its cost grows with rates(gate) + rates(up)) of `table_copies`; 1 for a kernel that decodes none."""
+    constexprs = {param: value for param, kind, value in key[1] if kind == "constexpr"}
+    tables = [(len(present_values(value)), len(present_values(constexprs[param.replace("TWICE_K", "CODEBOOK")])))
+              for param, value in constexprs.items() if param.startswith("TWICE_K")]
+    return sum(table_copies(*t) for t in tables) / len(tables) if tables else 1
 
 
 def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[tuple[str, int, int, str, str]]:
@@ -109,20 +128,20 @@ def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[t
             compiled |= group_compiled
             group, group_compiled = step.beside, set()
         known = set(compiled)
-        units: dict[str, int] = {}  # kernel -> variants x rates new to this step
+        units: dict[str, float] = {}  # kernel -> its uniform variants' worth of compiling new to this step
         for layer, tokens in step.layers:
             for key in layer_variants(layer, capability, tokens):
                 if key not in known:
                     known.add(key)
-                    units[key[0]] = units.get(key[0], 0) + _rates(key)
-        for kernel, rates, variants in step.direct:
-            units[kernel] = units.get(kernel, 0) + rates * variants
+                    units[key[0]] = units.get(key[0], 0) + decode_copies(key)
+        for kernel, rates, codebooks, variants in step.direct:
+            units[kernel] = units.get(kernel, 0) + table_copies(rates, codebooks) * variants
         (group_compiled.update if step.beside else compiled.update)(known)
-        compile_s = sum(COMPILE_S[kernel] * n for kernel, n in units.items())
+        compile_s = math.ceil(sum(COMPILE_S[kernel] * n for kernel, n in units.items()))
         source = f"run {step.run_s} s"
         if units:
-            parts = ", ".join(f"{kernel} {n} x {COMPILE_S[kernel]} s" for kernel, n in sorted(units.items()))
-            source += f" + compile {compile_s} s (census: variants x rates held x s each: {parts})"
+            parts = ", ".join(f"{kernel} {n:g} x {COMPILE_S[kernel]} s" for kernel, n in sorted(units.items()))
+            source += f" + compile {compile_s} s (census: variants x decode copies x s each: {parts})"
         out.append((step.name, step.run_s, step.run_s + compile_s, source, step.beside))
     return out
 
