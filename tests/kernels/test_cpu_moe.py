@@ -6,6 +6,7 @@ count; bad ids and a second job in flight are refused."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Iterator
 
 import numpy as np
@@ -16,7 +17,7 @@ from vllm_expert_offload.exl3 import parse_linear
 from vllm_expert_offload.kernels import cpu_exl3
 from vllm_expert_offload.kernels.contract import ExpertCrop
 from vllm_expert_offload.kernels.cpu_moe import CpuMoE, Exl3MoeJob, abi
-from vllm_expert_offload.kernels.matrix_table import CODEBOOK_IDS
+from vllm_expert_offload.kernels.matrix_table import CODEBOOK_IDS, CODEBOOK_IDS_BY_NAME
 
 from support import exl3_reference as ref
 from support.cpu_isa import ISAS, use_isa
@@ -50,6 +51,43 @@ def test_tile_routine_decodes_every_rate_exactly(extension, isa: str) -> None:
                                       rows_per_block, values, out)
             bits = out.half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
             assert np.array_equal(bits, expected), (isa, k, cb, rows_per_block)
+
+
+def _before_a_guard_page(data: np.ndarray) -> tuple[mmap.mmap, int]:
+    """A copy of `data` whose last byte is the last one before a page that cannot be read: a load past the matrix
+    crashes the process instead of reading whatever lies there."""
+    page = mmap.PAGESIZE
+    pages = -(-data.nbytes // page)
+    buffer = mmap.mmap(-1, (pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(base + pages * page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    start = pages * page - data.nbytes
+    buffer[start:pages * page] = data.tobytes()
+    return buffer, base + start
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_row_products_at_every_rate_read_nothing_past_the_matrix(extension, isa: str) -> None:
+    """One row per block (a token's expert, AVX-512 decodes K > 2 in stream order and sums per-lane partial sums):
+    random inputs against float64 products of the reference W_hat, on a matrix that ends at an unreadable page
+    (each chunk of a tile is loaded as 64 bytes). The sums are fp32 in another order, so they agree within
+    64 ulp-sized steps of sum |x w| (a 32-term fp32 sum errs by at most 31 * 2^-24 of it)."""
+    use_isa(extension, isa)
+    values = cpu_exl3.codebook_values()
+    gen = torch.Generator().manual_seed(5)
+    for i, (k, cb) in enumerate(ALL_RATES):
+        trellis = ref.random_trellis(np.random.default_rng(40 + i), 2, 3, k)  # 2 x 3 tiles: 3 not a power of two
+        weight = ref.rotated_weight_bits(trellis, k, cb).view(np.float16).astype(np.float64)
+        buffer, address = _before_a_guard_page(trellis)
+        x = torch.randn(3, 32, generator=gen)
+        out = torch.full((3, 48), float("nan"))
+        extension.exl3_moe_matmul(x, address, round(2 * k), CODEBOOK_IDS_BY_NAME[cb], 48, 1, values, out)
+        want = x.double().numpy() @ weight
+        bound = np.abs(x.double().numpy()) @ np.abs(weight)
+        assert np.all(np.abs(out.double().numpy() - want) <= 64 * 2.0**-24 * bound), (isa, k, cb)
+        buffer.close()
 
 
 def _skipping(ids: torch.Tensor, weights: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
