@@ -14,8 +14,8 @@
 # its measured compile time times the decode copies its tables hold, printed with its source before the first step,
 # with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s). The essentials first: the GPU tests (mapped arena,
 # pointer tables, host tier, the Triton MoE against the torch reference, CUDA-graph replay, ...) side by side, each its
-# own pytest (their compiles spread over the 16 cores; the mixed tables split into lanes, two rates, two codebooks,
-# every K and codebook in lanes of two Ks, so that no lane is longer than the run allows), then the benchmarks alone.
+# own pytest (their compiles spread over the 16 cores; the every-rate check in lanes of two Ks), then the benchmarks
+# alone.
 # A step (or side-by-side group) whose budget does not fit the time left is not started (a step killed mid-compile
 # measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are bound by their own seconds,
 # 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as soon as it ends (with the tail of
@@ -314,9 +314,8 @@ gpu_tests "Triton MoE vs torch reference (fused and glue, host tier over PCIe) a
     "$TRITON::test_compiled_moe_matches_reference_with_host_tier_over_pcie" "$TRITON::test_cuda_graph_replay_equals_eager"
 gpu_tests "Triton prefill (decode-once, grouped GEMMs) vs torch reference" \
     "$TRITON::test_compiled_prefill_matches_reference_with_host_tier_over_pcie"
-# The mixed tables, split so that no step is longer than the run allows: two rates, two codebooks, and every K and
-# codebook in lanes of two Ks (gpu_check_budget plans each lane, its test's parameter).
-lanes "Triton mixed " "$TRITON::test_compiled_moe_of_mixed_tables_matches_reference" "vs torch reference"
+gpu_tests "Triton mixed rates vs torch reference" "$TRITON::test_compiled_moe_of_mixed_rates_matches_reference"
+# Every K and codebook, in lanes of two Ks (gpu_check_budget plans each lane, its test's parameter).
 lanes "Triton every rate " "$TRITON::test_compiled_dequantize_in_this_devices_fold_form" \
     "decode-once in this device's fold form, every codebook of its Ks"
 gpu_tests "exllamav3 kernels (where its extension was carried) vs torch reference, graph replay" \

@@ -3,10 +3,10 @@ the mapped arena, and CUDA-graph capture and replay equal to eager execution.
 
 Each compiled variant costs the lent machine's one bounded run seconds (scripts/gpu-check.sh prices every test here
 from the compile census, vllm_expert_offload/tools/gpu_check_budget.py), so each test launches only what it is
-about: the layer is of one rate unless the test is about mixed tables, the token counts are one per launch class
+about: the layer is of one rate unless the test is about mixed rates, the token counts are one per launch class
 (a small decode, the dedup's decode, the decode-once prefill), and the every-rate check runs the one fold form this
-device launches. The mixed-table checks are split into tests gpu-check runs side by side, none longer than the run
-allows. tests/tools/test_gpu_check.py holds the census's plan to these."""
+device launches, in lanes gpu-check runs side by side. tests/tools/test_gpu_check.py holds the census's plan to
+these."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from vllm_expert_offload.kernels.triton_moe import fused_moe
 from support.moe_layers import (
     ALL_RATES,
     FULL,
+    TWO_RATES,
     UNIFORM,
     assert_close_to_reference,
     assert_dequantize_every_rate,
@@ -38,10 +39,7 @@ PREFILL_TOKENS = 300
 GRAPH_TOKENS = (4, 33)
 MIXED_TOKENS = 1
 EVERY_RATE_DTYPE = torch.float16  # the serving dtype's rounding; the interpreter checks fp32 and fp16, every form
-# A mixed table compiles a decode per rate it holds, each with a branch per codebook: two rates of one codebook, two
-# codebooks of one rate, one test each; both mixed at once in the every-rate check, in lanes of two consecutive Ks,
-# each table with every codebook its Ks come in.
-MIXED_TABLES = {"rates": [(3, "mul1"), (2, "mul1")], "codebooks": [(3, "mul1"), (3, "3inst")]}
+# The every-rate check's tables: lanes of two consecutive Ks, each with every codebook its Ks come in.
 _KS = sorted({k for k, _ in ALL_RATES})
 EVERY_RATE_LANES = {"k" + "-".join(f"{k:g}" for k in ks): [r for r in ALL_RATES if r[0] in ks]
                     for ks in (_KS[i:i + 2] for i in range(0, len(_KS), 2))}
@@ -67,11 +65,9 @@ def test_compiled_prefill_matches_reference_with_host_tier_over_pcie(kernel) -> 
     _matches_reference(kernel, PREFILL_TOKENS, UNIFORM)
 
 
-@pytest.mark.parametrize("mixed", list(MIXED_TABLES))
-def test_compiled_moe_of_mixed_tables_matches_reference(mixed: str) -> None:
-    """Experts (and one expert's projections) of two rates, or of two codebooks: the tables' present values, each
-    decoded."""
-    _matches_reference(fused_moe, MIXED_TOKENS, MIXED_TABLES[mixed])
+def test_compiled_moe_of_mixed_rates_matches_reference() -> None:
+    """Experts (and one expert's projections) of two rates and codebooks: the tables' present rates, each decoded."""
+    _matches_reference(fused_moe, MIXED_TOKENS, TWO_RATES)
 
 
 @pytest.mark.parametrize("lane", list(EVERY_RATE_LANES))

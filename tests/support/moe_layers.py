@@ -87,10 +87,11 @@ def decode_with_kernel(layers: list[Exl3Linear], backend: MatmulBackend) -> list
 HIDDEN, INTERMEDIATE = 128, 256
 TIERS = (True, False, True, False, False, True)  # GPU tier (registry addresses) or host arena, interleaved
 # The experts' rates, cycled over experts and projections. A compiled kernel decodes each rate its table holds (one
-# branch per rate and codebook), so GPU tests not about mixed tables take UNIFORM (the mixed-table ones name their
-# two); the interpreter's tests (nothing compiled) take every class at once.
+# branch per rate and codebook), so GPU tests not about mixed rates take UNIFORM, and the mixed-rate one TWO_RATES;
+# the interpreter's tests (nothing compiled) take every class at once.
 RATES = [(3, "mul1"), (2.5, "mul1"), (4, "mcg"), (2, "3inst"), (3, "mul1"), (5, "mul1")]
 UNIFORM = [(3, "mul1")]
+TWO_RATES = [(3, "mul1"), (2, "3inst")]
 
 
 def expert_sets(seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,

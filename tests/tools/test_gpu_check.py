@@ -26,7 +26,7 @@ SCRIPT = REPO / "scripts" / "gpu-check.sh"
 # The essentials first (arena, tables, host tier, the Triton MoE against the torch reference, graph replay: side by
 # side), the benchmarks after them, alone.
 STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
-         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates", "Triton mixed codebooks",
+         "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates",
          *(f"Triton every rate {lane}: " for lane in ("k1-1.5", "k2-2.5", "k3-3.5", "k4-5", "k6-7", "k8")),
          "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
          "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
@@ -198,20 +198,19 @@ def _gpu_test_module(name: str):
 
 def test_the_budget_prices_the_layers_forms_and_tokens_the_gpu_tests_launch() -> None:
     """gpu_check_budget cannot import the tests, so this holds its plan to them: a layer of one rate wherever a test
-    is not about mixed tables, two rates of one codebook and two codebooks of one rate in the mixed-table tests (a
-    decode compiled per rate and a branch per codebook at each call site), the every-rate check in one fold form, the
-    device's (as the runtime derives it), over the lanes' tables (together every K and codebook, each lane's rates and
-    codebooks as priced), and the token counts each step prices."""
+    is not about mixed rates, two rates and codebooks in the mixed-rate test (each rate's states and each codebook's
+    branch compiled per call site), the every-rate check in one fold form, the device's (as the runtime derives it),
+    over the lanes' tables (together every K and codebook, each lane's rates and codebooks as priced), and the token
+    counts each step prices."""
     from support import moe_layers
 
     gpu = _gpu_test_module("test_triton_gpu")
     layer = lambda name, rates: gpu_check_budget.CensusLayer(  # noqa: E731
         name, moe_layers.HIDDEN, moe_layers.INTERMEDIATE, len(moe_layers.TIERS), 2, tuple(rates), "fp32")
     assert gpu_check_budget.TESTS_LAYER == layer("gpu-tests", moe_layers.UNIFORM) and len(moe_layers.UNIFORM) == 1
-    assert gpu_check_budget.MIXED_LAYERS == {name: layer(f"gpu-tests-mixed-{name}", rates)
-                                             for name, rates in gpu.MIXED_TABLES.items()}
+    assert gpu_check_budget.MIXED_LAYER == layer("gpu-tests-mixed", moe_layers.TWO_RATES)
     held = lambda rates: (len({k for k, _ in rates}), len({cb for _, cb in rates}))  # noqa: E731
-    assert {name: held(rates) for name, rates in gpu.MIXED_TABLES.items()} == {"rates": (2, 1), "codebooks": (1, 2)}
+    assert held(moe_layers.TWO_RATES) == (2, 2)
     assert (gpu_check_budget.DECODE_TOKENS, gpu_check_budget.GRAPH_TOKENS) == (gpu.DECODE_TOKENS, gpu.GRAPH_TOKENS)
     assert gpu_check_budget.PREFILL_TOKENS == (gpu.PREFILL_TOKENS,)
     assert gpu_check_budget.MIXED_TOKENS == (gpu.MIXED_TOKENS,)

@@ -4,9 +4,10 @@ A lent GPU machine gives the whole check one command of at most 10 minutes (15 m
 step killed while Triton compiles has measured nothing. So each step's budget is its own work (`run_s`) plus the
 compiles it starts: the kernel variants it launches, counted as tools/compile_census.py counts a layer's (the
 backend's real forwards on meta tensors, every launch keyed as Triton's JIT keys it), each priced at its kernel's
-measured ahead-of-time compile seconds for sm_90 times the decode copies it compiles (`decode_copies`). Triton keeps
-compiled kernels on disk, so a variant an earlier step compiled costs a later step nothing: the steps are priced in
-the order the script runs them.
+measured ahead-of-time compile seconds for sm_90 times the decode copies its tables hold (`decode_copies`: a mixed
+table compiles the states of each rate present and a codebook branch per codebook present, kernels/triton_decode.py).
+Triton keeps compiled kernels on disk, so a variant an earlier step compiled costs a later step nothing: the steps
+are priced in the order the script runs them.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from dataclasses import dataclass
 from ..kernels.matrix_table import present_values
 from .compile_census import LAYERS, CensusLayer, layer_variants
 
-# Seconds one variant of each kernel takes to compile for sm_90 per rate its tables hold, measured ahead of time on
+# Seconds one variant of each kernel takes to compile for sm_90 when its tables hold one rate, measured ahead of time on
 # the project's CI machine (2 shared vCPUs: no faster than the lent machine's host; Triton 3.9, CUDA 13 ptxas;
 # 2026-12-04, tools/compile_census.timed_compile over the Qwen3-30B-A3B census layer, K = 3: gate/up 13-23 s,
 # down 4-11 s), the largest seen, rounded up.
-# A mixed table's decode compiles one copy of the register decode per rate present (kernels/triton_decode.py), each
-# with a branch per codebook present, at every call site of every table it reads. Measured, one moe_gate_up variant
-# whose gate and up hold K = 2/3/4 (MUL1): 94.3 s for sm_90 (12-04), against COMPILE_S x 3 rates = 75 s: a copy in a
-# mixed variant costs MIXED_COPY_S_RATIO times a uniform variant's (the branches' shared register allocation).
-MIXED_COPY_S_RATIO = 1.3
+# A mixed table's states per further rate and codebook branch per further codebook (`decode_copies`), as a share
+# of a uniform variant's seconds, rounded up from a side-by-side run (sm_90 AOT, CPU-s, 12-04, the census's 11
+# startup variants of a Qwen3-30B-A3B-shaped layer, MUL1): K = 2/3/4 compiled in 91.3 s against 54.9 / 59.7 s for
+# K = 3 (1.59x: 0.30 a further rate), K = 2/3 in 57.9 s (1.01x); the GPU tests' fp32 layer with K 3 MUL1 / K 2 3INST
+# in 86.6 s against 91.7 s uniform (a second codebook: nothing measurable).
+RATE_COPY, CODEBOOK_COPY = 0.35, 0.1
 COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 1, "dequantize_kernel": 12,
              "grouped_gate_up_kernel": 10, "grouped_down_kernel": 10, "exl3_matmul_kernel": 8,
              # test_compiled_gpu.py's FusedTritonLinear (512 x 384, K = 4, fp32): 6.3 s (compile_census.timed_compile)
@@ -36,9 +38,9 @@ COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 
 class StepPlan:
     """One step of gpu-check.sh: its name's first words (as the script names it), its own seconds once its kernels
     are compiled, the MoE layers it builds with the token counts it runs them at, and the variants it launches
-    outside a MoE forward: (kernel, rates its table holds, codebooks it holds, variants). Steps of one `beside` group
-    run side by side (the script starts them together): each compiles what it launches itself, the group takes its
-    longest step."""
+    outside a MoE forward: (kernel, rates its table holds, codebooks it holds, variants). Steps of one `beside`
+    group run side by side (the script starts them together): each compiles what it launches itself, the group takes
+    its longest step."""
 
     name: str
     run_s: int
@@ -48,22 +50,18 @@ class StepPlan:
 
 
 # The GPU tests' layers (tests/support/moe_layers.py: six experts, fp32, top-2, 128 x 256): UNIFORM wherever a test is
-# not about mixed tables, at tests/kernels/test_triton_gpu.py's token counts (one per launch class the census tells
-# apart); in its mixed-table tests (MIXED_TABLES, side by side) two rates of one codebook, and two codebooks of one
-# rate. The exllamav3 tests' Triton cross-check (tests/kernels/test_exllamav3_gpu.py: random_moe 512 x 256, 16
-# experts, top-4, K = 3 MUL1, fp16). The benchmark's (benchmarks/bench_gpu_kernels.py --models qwen3_30b_a3b: the
-# census's Qwen3 layer, K = 3 MUL1, bf16).
+# not about mixed rates, at tests/kernels/test_triton_gpu.py's token counts (one per launch class the census tells
+# apart); TWO_RATES (its tables hold two rates and codebooks) in its one mixed-rate test. The exllamav3 tests' Triton
+# cross-check (tests/kernels/test_exllamav3_gpu.py: random_moe 512 x 256, 16 experts, top-4, K = 3 MUL1, fp16). The
+# benchmark's (benchmarks/bench_gpu_kernels.py --models qwen3_30b_a3b: the census's Qwen3 layer, K = 3 MUL1, bf16).
 TESTS_LAYER = CensusLayer("gpu-tests", 128, 256, 6, 2, ((3, "mul1"),), "fp32")
-MIXED_TABLES = {"rates": ((3, "mul1"), (2, "mul1")), "codebooks": ((3, "mul1"), (3, "3inst"))}
-MIXED_LAYERS = {name: CensusLayer(f"gpu-tests-mixed-{name}", 128, 256, 6, 2, rates, "fp32")
-                for name, rates in MIXED_TABLES.items()}
+MIXED_LAYER = CensusLayer("gpu-tests-mixed", 128, 256, 6, 2, ((3, "mul1"), (2, "3inst")), "fp32")
 EXLLAMAV3_LAYER = CensusLayer("exllamav3-tests", 512, 256, 16, 4, ((3, "mul1"),), "fp16")
 DECODE_TOKENS, PREFILL_TOKENS, GRAPH_TOKENS, MIXED_TOKENS = (1, 33), (300,), (4, 33), (1,)
 BENCH_LAYERS = LAYERS[:1]
 # assert_dequantize_every_rate's tables, in the one fold form the device launches: every K (1, 1.5, ..., 3.5, 4-8) and
 # codebook, in lanes of two consecutive Ks, each table with every codebook its Ks come in (tests/kernels/
-# test_triton_gpu.py's EVERY_RATE_LANES): (lane, rates, codebooks). Priced so, one table of all would compile 515 s
-# (11 rates x 3 codebooks), and the longer of two halves (K < 4, K >= 4) 281 s: past what the run has.
+# test_triton_gpu.py's EVERY_RATE_LANES): (lane, rates, codebooks).
 EVERY_RATE_LANES = (("k1-1.5", 2, 3), ("k2-2.5", 2, 3), ("k3-3.5", 2, 3), ("k4-5", 2, 3), ("k6-7", 2, 3), ("k8", 1, 3))
 EVERY_RATE_STEP = "Triton every rate "  # + the lane: the step's name, as gpu-check.sh names it
 # A lent machine's whole run: one command of at most 600 s, with margin; the device time of its start counts too.
@@ -84,8 +82,7 @@ STEPS = (
              (("exl3_matmul_kernel", 1, 1, 1),), beside="GPU tests"),
     StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1, 1),),
              beside="GPU tests"),
-    *(StepPlan(f"Triton mixed {name}", 20, ((layer, MIXED_TOKENS),), beside="GPU tests")
-      for name, layer in MIXED_LAYERS.items()),
+    StepPlan("Triton mixed rates", 20, ((MIXED_LAYER, MIXED_TOKENS),), beside="GPU tests"),
     *(StepPlan(EVERY_RATE_STEP + lane, 20, direct=(("dequantize_kernel", rates, codebooks, 1),), beside="GPU tests")
       for lane, rates, codebooks in EVERY_RATE_LANES),
     StepPlan("exllamav3 kernels", 60, ((EXLLAMAV3_LAYER, (1,)),), beside="GPU tests"),
@@ -101,20 +98,28 @@ STEPS = (
 ENGINE_STEPS = ("install the plugin", "tiny EXL3 MoE", "tiny mixed pack")  # run only where vLLM is installed
 
 
-def table_copies(rates: int, codebooks: int) -> float:
-    """Decode copies one table compiles, in uniform variants' units: one per rate present, each with a branch per
-    codebook present (counted as a whole copy: an upper bound), a mixed table's at MIXED_COPY_S_RATIO."""
-    copies = rates * codebooks
-    return copies if copies == 1 else copies * MIXED_COPY_S_RATIO
+def _held(key: tuple) -> tuple[int, int]:
+    """(rates, codebooks) the widest table of a recorded launch holds ((1, 1) for a kernel that decodes none)."""
+    rates = codebooks = 1
+    for param, kind, value in key[1]:
+        if kind == "constexpr" and param.startswith("TWICE_K"):  # a table's present_key (TWICE_K_GATE, ...)
+            rates = max(rates, len(present_values(value)))
+        elif kind == "constexpr" and param.startswith("CODEBOOK"):
+            codebooks = max(codebooks, len(present_values(value)))
+    return rates, codebooks
 
 
-def decode_copies(key: tuple) -> float:
-    """A recorded launch's compile cost in its kernel's uniform variants: the mean over the tables it reads (gate/up
-    reads two, so its cost grows with rates(gate) + rates(up)) of `table_copies`; 1 for a kernel that decodes none."""
-    constexprs = {param: value for param, kind, value in key[1] if kind == "constexpr"}
-    tables = [(len(present_values(value)), len(present_values(constexprs[param.replace("TWICE_K", "CODEBOOK")])))
-              for param, value in constexprs.items() if param.startswith("TWICE_K")]
-    return sum(table_copies(*t) for t in tables) / len(tables) if tables else 1
+def decode_copies(rates: int, codebooks: int) -> float:
+    """A variant's compile seconds over a uniform one's, for tables holding `rates` rates and `codebooks` codebooks:
+    each further rate adds its states (RATE_COPY), each further codebook its branch of the codebook walk
+    (CODEBOOK_COPY), at every call site of the decode."""
+    return 1 + RATE_COPY * (rates - 1) + CODEBOOK_COPY * (codebooks - 1)
+
+
+def variant_seconds(kernel: str, rates: int = 1, codebooks: int = 1) -> float:
+    """Seconds one variant of `kernel` takes to compile for sm_90, its tables holding `rates` rates and `codebooks`
+    codebooks: the pricing every step's budget is made of."""
+    return COMPILE_S[kernel] * decode_copies(rates, codebooks)
 
 
 def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[tuple[str, int, int, str, str]]:
@@ -128,20 +133,24 @@ def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[t
             compiled |= group_compiled
             group, group_compiled = step.beside, set()
         known = set(compiled)
-        units: dict[str, float] = {}  # kernel -> its uniform variants' worth of compiling new to this step
+        priced: dict[str, list[float]] = {}  # kernel -> [variants new to this step, their seconds]
         for layer, tokens in step.layers:
             for key in layer_variants(layer, capability, tokens):
                 if key not in known:
                     known.add(key)
-                    units[key[0]] = units.get(key[0], 0) + decode_copies(key)
+                    entry = priced.setdefault(key[0], [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += variant_seconds(key[0], *_held(key))
         for kernel, rates, codebooks, variants in step.direct:
-            units[kernel] = units.get(kernel, 0) + table_copies(rates, codebooks) * variants
+            entry = priced.setdefault(kernel, [0, 0.0])
+            entry[0] += variants
+            entry[1] += variants * variant_seconds(kernel, rates, codebooks)
         (group_compiled.update if step.beside else compiled.update)(known)
-        compile_s = math.ceil(sum(COMPILE_S[kernel] * n for kernel, n in units.items()))
+        compile_s = math.ceil(sum(seconds for _, seconds in priced.values()))
         source = f"run {step.run_s} s"
-        if units:
-            parts = ", ".join(f"{kernel} {n:g} x {COMPILE_S[kernel]} s" for kernel, n in sorted(units.items()))
-            source += f" + compile {compile_s} s (census: variants x decode copies x s each: {parts})"
+        if priced:
+            parts = ", ".join(f"{kernel} {n:.0f} x {seconds / n:.1f} s" for kernel, (n, seconds) in sorted(priced.items()))
+            source += f" + compile {compile_s} s (census: variants x s each, decode copies held priced in: {parts})"
         out.append((step.name, step.run_s, step.run_s + compile_s, source, step.beside))
     return out
 
