@@ -73,13 +73,15 @@ def pointer(name: str, triton: str, schema: str = "Tensor") -> Arg:
     return Arg(schema, {name: triton}, aligned=(name,))
 
 
-def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor", dense: bool = False) -> Arg:
+def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor", dense: bool = False,
+            aligned: bool = False) -> Arg:
     """A tensor the kernel reads (or writes) through pointer `name` and its leading strides (i32 arguments
     `strides`: the first dimension's, then the second's, ...). `dense`: at every launch the last of them is 1 and
-    the pointer 16-byte aligned (a tensor the layer made so: an activation's view may be neither)."""
+    the pointer 16-byte aligned (a tensor the layer made so: an activation's view may be neither); `aligned`: the
+    pointer alone is (a tensor the layer allocates, whose last stride is not an argument)."""
     return Arg(schema, {name: triton, **{stride: "i32" for stride in strides}},
                expand=lambda t, _: (t, *t.stride()[:len(strides)]), unit=strides[-1:] if dense else (),
-               aligned=(name,) if dense else ())
+               aligned=(name,) if dense or aligned else ())
 
 
 def integer(name: str, aligned: bool = False) -> Arg:
