@@ -1,19 +1,25 @@
 """gpu-check.sh's step budgets from the compile census (tools/gpu_check_budget.py): a step is given its own seconds
-plus the Triton variants it compiles (counted from the backend's meta forwards, priced per rate its tables hold), so
-the lent machine never kills a step mid-compile; a variant an earlier step compiled is in Triton's disk cache."""
+plus the Triton variants it compiles (counted from the backend's meta forwards, priced by the decode copies its
+tables hold), so the lent machine never kills a step mid-compile; a variant an earlier step compiled is in Triton's
+disk cache."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from vllm_expert_offload.tools.compile_census import CensusLayer
 from vllm_expert_offload.tools.gpu_check_budget import (
+    CODEBOOK_COPY,
     COMPILE_S,
+    RATE_COPY,
     STEPS,
     TESTS_LAYER,
     StepPlan,
     budgets,
+    decode_copies,
     run_seconds,
+    variant_seconds,
 )
 
 from support.moe_layers import HIDDEN, INTERMEDIATE, TIERS
@@ -22,27 +28,54 @@ from support.paths import REPO
 
 UNIFORM = CensusLayer("u", 256, 256, 4, 2, ((3.0, "mul1"),), "bf16")
 TWO_RATES = CensusLayer("m", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "mul1")), "bf16")
+TWO_CODEBOOKS = CensusLayer("c", 256, 256, 4, 2, ((3.0, "mul1"), (2.0, "3inst")), "bf16")
+# Measured side by side (sm_90 AOT compile, CPU-s of Triton and ptxas, fresh cache, 12-04, this 2-core machine):
+# a whole layer's startup variants, mixed over uniform K = 3 (Qwen3-30B-A3B-shaped, MUL1, 91.3 / 57.3 s mean of two
+# uniform runs), and the slowest variant of a kernel whose tables hold (rates, codebooks), in seconds: gate/up and
+# down of that K = 2/3/4 layer (bf16), the dequantize of the every-rate tables (fp16, K 1-3.5 and K 4-8, all
+# three codebooks), gate/up of the GPU tests' fp32 K 3 MUL1 / K 2 3INST layer.
+MEASURED_LAYER_COPIES = {(3, 1): 1.59, (2, 1): 1.01}
+MEASURED_VARIANT_S = {("moe_gate_up_kernel", 3, 1): 24.4, ("moe_down_kernel", 3, 1): 7.4,
+                      ("dequantize_kernel", 6, 3): 5.9, ("dequantize_kernel", 5, 3): 6.4,
+                      ("moe_gate_up_kernel", 2, 2): 19.9, ("moe_down_kernel", 2, 2): 8.7}
 
 
 def _compile_s(plans: tuple[StepPlan, ...]) -> list[int]:
     return [seconds - run for _, run, seconds, _, _ in budgets(plans)]
 
 
-def test_a_step_pays_for_the_variants_it_compiles_per_rate_held() -> None:
-    """At one token a MoE forward launches gate/up, down and the sum once each; a table of two rates compiles two
-    decodes per variant, so its gate/up and down cost twice; the sum decodes nothing."""
+def test_a_step_pays_for_the_variants_it_compiles_per_decode_copy_held() -> None:
+    """At one token a MoE forward launches gate/up, down and the sum once each; a table of two rates compiles a
+    second rate's states per call site, one of two codebooks a second codebook branch, so its gate/up and down cost
+    1 + RATE_COPY (+ CODEBOOK_COPY) times a uniform one's; the sum decodes nothing."""
     (uniform,) = _compile_s((StepPlan("u", 5, ((UNIFORM, (1,)),)),))
     (mixed,) = _compile_s((StepPlan("m", 5, ((TWO_RATES, (1,)),)),))
+    (codebooks,) = _compile_s((StepPlan("c", 5, ((TWO_CODEBOOKS, (1,)),)),))
     one = COMPILE_S["moe_gate_up_kernel"] + COMPILE_S["moe_down_kernel"]
     assert uniform == one + COMPILE_S["moe_sum_kernel"]
-    assert mixed == 2 * one + COMPILE_S["moe_sum_kernel"]
+    assert mixed == math.ceil(one * (1 + RATE_COPY) + COMPILE_S["moe_sum_kernel"])
+    assert codebooks == math.ceil(one * (1 + RATE_COPY + CODEBOOK_COPY) + COMPILE_S["moe_sum_kernel"])
+
+
+def test_decode_copies_are_priced_no_lower_than_measured() -> None:
+    """A uniform variant is its kernel's seconds; a mixed one no cheaper than measured side by side (sm_90 AOT
+    CPU-s over a Qwen3-30B-A3B-shaped layer's 11 startup variants, 12-04, MUL1: K = 2/3 and K = 2/3/4 against K = 3;
+    the every-rate dequantize table: K 1-3.5, all three codebooks, against K = 3 MUL1) and dearer per rate and
+    codebook held."""
+    assert variant_seconds("moe_gate_up_kernel") == COMPILE_S["moe_gate_up_kernel"] and decode_copies(1, 1) == 1
+    for (rates, codebooks), measured in MEASURED_LAYER_COPIES.items():
+        assert decode_copies(rates, codebooks) >= measured, (rates, codebooks)
+    for (kernel, rates, codebooks), measured in MEASURED_VARIANT_S.items():
+        assert variant_seconds(kernel, rates, codebooks) >= measured, (kernel, rates, codebooks)
+    assert decode_copies(3, 1) > decode_copies(2, 1) and decode_copies(2, 3) > decode_copies(2, 2)
 
 
 def test_what_an_earlier_step_compiled_is_free_and_direct_launches_count() -> None:
     first = StepPlan("a", 1, ((UNIFORM, (1, 300)),))
-    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 2),))
-    assert _compile_s((first, again))[1] == 22 * COMPILE_S["dequantize_kernel"]
-    assert _compile_s((again,))[0] > 22 * COMPILE_S["dequantize_kernel"]
+    again = StepPlan("b", 1, ((UNIFORM, (1,)),), (("dequantize_kernel", 11, 3, 2),))
+    every_rate = 2 * variant_seconds("dequantize_kernel", 11, 3)
+    assert _compile_s((first, again))[1] == math.ceil(every_rate)
+    assert _compile_s((again,))[0] > every_rate
 
 
 def test_the_gpu_tests_layer_is_the_one_the_tests_build() -> None:

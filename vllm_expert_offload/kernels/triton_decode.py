@@ -6,7 +6,8 @@ starts at the int64 address `trellis` (as a pointer table holds it: VRAM or the 
 n0 are multiples of 16 (blocks start on tile boundaries); size_n is the matrix's padded output width. K (as 2K, so
 1.5/2.5/3.5 stay integers) and the codebook are runtime scalars, uniform across the block, chosen among the values
 the constexprs RATES and CODEBOOKS allow (matrix_table.present_key: one value, compiled alone, or the set a mixed
-table holds: a branch per value present, of which one runs; no branch is compiled for a value the table lacks).
+table holds: a branch per value present, of which one runs; no branch is compiled for a value the table lacks). A
+rate's branch holds its group states alone; the codebook's branches and the permutation follow it once.
 
 How it decodes (exl3-format.md §2.3-2.7), in ring order rather than tile order:
 - A tile's 256 weights sit on a ring: weight p's 16-bit state is the window of the MSB-first bit stream ending at

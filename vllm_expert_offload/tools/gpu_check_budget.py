@@ -4,22 +4,30 @@ A lent GPU machine gives the whole check one command of at most 10 minutes (15 m
 step killed while Triton compiles has measured nothing. So each step's budget is its own work (`run_s`) plus the
 compiles it starts: the kernel variants it launches, counted as tools/compile_census.py counts a layer's (the
 backend's real forwards on meta tensors, every launch keyed as Triton's JIT keys it), each priced at its kernel's
-measured ahead-of-time compile seconds for sm_90 per rate its tables hold (a mixed table compiles one decode per rate
-present, kernels/triton_decode.py). Triton keeps compiled kernels on disk, so a variant an earlier step compiled
-costs a later step nothing: the steps are priced in the order the script runs them.
+measured ahead-of-time compile seconds for sm_90 times the decode copies its tables hold (`decode_copies`: a mixed
+table compiles the states of each rate present and a codebook branch per codebook present, kernels/triton_decode.py).
+Triton keeps compiled kernels on disk, so a variant an earlier step compiled costs a later step nothing: the steps
+are priced in the order the script runs them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..kernels.matrix_table import present_values
 from .compile_census import LAYERS, CensusLayer, layer_variants
 
-# Seconds one variant of each kernel takes to compile for sm_90 per rate its tables hold, measured ahead of time on
+# Seconds one variant of each kernel takes to compile for sm_90 when its tables hold one rate, measured ahead of time on
 # the project's CI machine (2 shared vCPUs: no faster than the lent machine's host; Triton 3.9, CUDA 13 ptxas;
 # 2026-12-04, tools/compile_census.timed_compile over the Qwen3-30B-A3B census layer, K = 3: gate/up 13-23 s,
 # down 4-11 s), the largest seen, rounded up.
+# A mixed table's states per further rate and codebook branch per further codebook (`decode_copies`), as a share
+# of a uniform variant's seconds, rounded up from a side-by-side run (sm_90 AOT, CPU-s, 12-04, the census's 11
+# startup variants of a Qwen3-30B-A3B-shaped layer, MUL1): K = 2/3/4 compiled in 91.3 s against 54.9 / 59.7 s for
+# K = 3 (1.59x: 0.30 a further rate), K = 2/3 in 57.9 s (1.01x); the GPU tests' fp32 layer with K 3 MUL1 / K 2 3INST
+# in 86.6 s against 91.7 s uniform (a second codebook: nothing measurable).
+RATE_COPY, CODEBOOK_COPY = 0.35, 0.1
 COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 1, "dequantize_kernel": 12,
              "grouped_gate_up_kernel": 10, "grouped_down_kernel": 10, "exl3_matmul_kernel": 8,
              # test_compiled_gpu.py's FusedTritonLinear (512 x 384, K = 4, fp32): 6.3 s (compile_census.timed_compile)
@@ -30,13 +38,14 @@ COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 
 class StepPlan:
     """One step of gpu-check.sh: its name's first words (as the script names it), its own seconds once its kernels
     are compiled, the MoE layers it builds with the token counts it runs them at, and the variants it launches
-    outside a MoE forward: (kernel, rates its table holds, variants). Steps of one `beside` group run side by side
-    (the script starts them together): each compiles what it launches itself, the group takes its longest step."""
+    outside a MoE forward: (kernel, rates its table holds, codebooks it holds, variants). Steps of one `beside`
+    group run side by side (the script starts them together): each compiles what it launches itself, the group takes
+    its longest step."""
 
     name: str
     run_s: int
     layers: tuple[tuple[CensusLayer, tuple[int, ...]], ...] = ()
-    direct: tuple[tuple[str, int, int], ...] = ()
+    direct: tuple[tuple[str, int, int, int], ...] = ()
     beside: str = ""
 
 
@@ -51,8 +60,8 @@ EXLLAMAV3_LAYER = CensusLayer("exllamav3-tests", 512, 256, 16, 4, ((3, "mul1"),)
 DECODE_TOKENS, PREFILL_TOKENS, GRAPH_TOKENS, MIXED_TOKENS = (1, 33), (300,), (4, 33), (1,)
 BENCH_LAYERS = LAYERS[:1]
 # assert_dequantize_every_rate's rates (every K and codebook; K 1, 1.5, ..., 3.5 and K 4-8 in two tables, side by
-# side), in the one fold form the device launches
-EVERY_RATE, EVERY_RATE_BELOW_K4 = 11, 6
+# side), in the one fold form the device launches; each table holds all three codebooks
+EVERY_RATE, EVERY_RATE_BELOW_K4, EVERY_CODEBOOK = 11, 6, 3
 # A lent machine's whole run: one command of at most 600 s, with margin; the device time of its start counts too.
 RUN_LIMIT_S = 480
 MACHINE_START_S = 120  # "a minute or more" (the device README), twice; the command's own bound is GPU_CHECK_TOTAL_S
@@ -68,16 +77,16 @@ STEPS = (
     StepPlan("topology", 10, beside="GPU tests"),
     StepPlan("mapped host memory", 40, beside="GPU tests"),
     StepPlan("Triton MoE vs torch reference", 40, ((TESTS_LAYER, DECODE_TOKENS + GRAPH_TOKENS),),
-             (("exl3_matmul_kernel", 1, 1),), beside="GPU tests"),
-    StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1),),
+             (("exl3_matmul_kernel", 1, 1, 1),), beside="GPU tests"),
+    StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1, 1),),
              beside="GPU tests"),
     StepPlan("Triton mixed rates", 20, ((MIXED_LAYER, MIXED_TOKENS),), beside="GPU tests"),
-    StepPlan("Triton every rate below K 4", 20, direct=(("dequantize_kernel", EVERY_RATE_BELOW_K4, 1),),
+    StepPlan("Triton every rate below K 4", 20, direct=(("dequantize_kernel", EVERY_RATE_BELOW_K4, EVERY_CODEBOOK, 1),),
              beside="GPU tests"),
-    StepPlan("Triton every rate from K 4", 20, direct=(("dequantize_kernel", EVERY_RATE - EVERY_RATE_BELOW_K4, 1),),
+    StepPlan("Triton every rate from K 4", 20, direct=(("dequantize_kernel", EVERY_RATE - EVERY_RATE_BELOW_K4, EVERY_CODEBOOK, 1),),
              beside="GPU tests"),
     StepPlan("exllamav3 kernels", 60, ((EXLLAMAV3_LAYER, (1,)),), beside="GPU tests"),
-    StepPlan("compiled Triton forwards", 60, ((TESTS_LAYER, (4,)),), (("linear_kernel", 1, 1),), beside="GPU tests"),
+    StepPlan("compiled Triton forwards", 60, ((TESTS_LAYER, (4,)),), (("linear_kernel", 1, 1, 1),), beside="GPU tests"),
     StepPlan("compiled exllamav3 forwards", 45, beside="GPU tests"),
     # Then the benchmarks, alone on the machine (their timings must not share it).
     StepPlan("bandwidth probe", 50),
@@ -89,13 +98,28 @@ STEPS = (
 ENGINE_STEPS = ("install the plugin", "tiny EXL3 MoE", "tiny mixed pack")  # run only where vLLM is installed
 
 
-def _rates(key: tuple) -> int:
-    """Rates the widest table of a recorded launch holds (1 for a kernel that decodes none)."""
-    widest = 1
+def _held(key: tuple) -> tuple[int, int]:
+    """(rates, codebooks) the widest table of a recorded launch holds ((1, 1) for a kernel that decodes none)."""
+    rates = codebooks = 1
     for param, kind, value in key[1]:
         if kind == "constexpr" and param.startswith("TWICE_K"):  # a table's present_key (TWICE_K_GATE, ...)
-            widest = max(widest, len(present_values(value)))
-    return widest
+            rates = max(rates, len(present_values(value)))
+        elif kind == "constexpr" and param.startswith("CODEBOOK"):
+            codebooks = max(codebooks, len(present_values(value)))
+    return rates, codebooks
+
+
+def decode_copies(rates: int, codebooks: int) -> float:
+    """A variant's compile seconds over a uniform one's, for tables holding `rates` rates and `codebooks` codebooks:
+    each further rate adds its states (RATE_COPY), each further codebook its branch of the codebook walk
+    (CODEBOOK_COPY), at every call site of the decode."""
+    return 1 + RATE_COPY * (rates - 1) + CODEBOOK_COPY * (codebooks - 1)
+
+
+def variant_seconds(kernel: str, rates: int = 1, codebooks: int = 1) -> float:
+    """Seconds one variant of `kernel` takes to compile for sm_90, its tables holding `rates` rates and `codebooks`
+    codebooks: the pricing every step's budget is made of."""
+    return COMPILE_S[kernel] * decode_copies(rates, codebooks)
 
 
 def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[tuple[str, int, int, str, str]]:
@@ -109,20 +133,24 @@ def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[t
             compiled |= group_compiled
             group, group_compiled = step.beside, set()
         known = set(compiled)
-        units: dict[str, int] = {}  # kernel -> variants x rates new to this step
+        priced: dict[str, list[float]] = {}  # kernel -> [variants new to this step, their seconds]
         for layer, tokens in step.layers:
             for key in layer_variants(layer, capability, tokens):
                 if key not in known:
                     known.add(key)
-                    units[key[0]] = units.get(key[0], 0) + _rates(key)
-        for kernel, rates, variants in step.direct:
-            units[kernel] = units.get(kernel, 0) + rates * variants
+                    entry = priced.setdefault(key[0], [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += variant_seconds(key[0], *_held(key))
+        for kernel, rates, codebooks, variants in step.direct:
+            entry = priced.setdefault(kernel, [0, 0.0])
+            entry[0] += variants
+            entry[1] += variants * variant_seconds(kernel, rates, codebooks)
         (group_compiled.update if step.beside else compiled.update)(known)
-        compile_s = sum(COMPILE_S[kernel] * n for kernel, n in units.items())
+        compile_s = math.ceil(sum(seconds for _, seconds in priced.values()))
         source = f"run {step.run_s} s"
-        if units:
-            parts = ", ".join(f"{kernel} {n} x {COMPILE_S[kernel]} s" for kernel, n in sorted(units.items()))
-            source += f" + compile {compile_s} s (census: variants x rates held x s each: {parts})"
+        if priced:
+            parts = ", ".join(f"{kernel} {n:.0f} x {seconds / n:.1f} s" for kernel, (n, seconds) in sorted(priced.items()))
+            source += f" + compile {compile_s} s (census: variants x s each, decode copies held priced in: {parts})"
         out.append((step.name, step.run_s, step.run_s + compile_s, source, step.beside))
     return out
 
