@@ -73,13 +73,15 @@ def pointer(name: str, triton: str, schema: str = "Tensor") -> Arg:
     return Arg(schema, {name: triton}, aligned=(name,))
 
 
-def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor", dense: bool = False) -> Arg:
+def strided(name: str, triton: str, strides: tuple[str, ...], schema: str = "Tensor", dense: bool = False,
+            aligned: bool = False) -> Arg:
     """A tensor the kernel reads (or writes) through pointer `name` and its leading strides (i32 arguments
     `strides`: the first dimension's, then the second's, ...). `dense`: at every launch the last of them is 1 and
-    the pointer 16-byte aligned (a tensor the layer made so: an activation's view may be neither)."""
+    the pointer 16-byte aligned (a tensor the layer made so: an activation's view may be neither); `aligned`: the
+    pointer alone is (a tensor the layer allocates, whose last stride is not an argument)."""
     return Arg(schema, {name: triton, **{stride: "i32" for stride in strides}},
                expand=lambda t, _: (t, *t.stride()[:len(strides)]), unit=strides[-1:] if dense else (),
-               aligned=(name,) if dense else ())
+               aligned=(name,) if dense or aligned else ())
 
 
 def integer(name: str, aligned: bool = False) -> Arg:
@@ -281,13 +283,18 @@ class LaunchSpec:
         """The runtime arguments declared 1 at every launch -> 1: Triton's JIT compiles them as constants."""
         return {name: 1 for leaf in self._leaves + self._derived for name in leaf.unit}
 
+    def declared_aligned(self) -> set[str]:
+        """The runtime arguments declared 16-aligned (pointers) / multiples of 16 (ints) at every launch, which the
+        launch checks: the rest of a variant's aligned arguments are so by the launch's values (`specialised`)."""
+        return {name for leaf in self._leaves + self._derived for name in leaf.aligned}
+
     def specialised(self, activation: str, values: Mapping[str, int]) -> Specialised:
         """The key Triton's JIT compiles a launch under, as tools/static_kernels.py compiles it: the runtime
         signature, the constants (declared unit, and ints of `values` equal to 1) and the 16-aligned arguments
         (declared, and ints of `values` that are multiples of 16). `values`: the launch's value of each int argument
         that no declaration classifies and the kernel specialises on (a shape's K steps, a split's parts); a missing
         or unknown one is refused by name."""
-        declared = {name for leaf in self._leaves + self._derived for name in (*leaf.unit, *leaf.aligned)}
+        declared = set(self.constants()) | self.declared_aligned()
         signature = self.signature(activation)
         free = [name for name, triton in signature.items() if triton.startswith("i") and name not in declared
                 and name not in _not_specialised(self.kernel)]

@@ -202,9 +202,8 @@ def _gathered_states(trellis, k0, n0, size_n, TWICE_K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, CODEBOOKS: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """decode_block for one compile-time K."""
+def _rate_states(trellis, k0, n0, size_n, TWICE_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block's group states (tile row, tile column, g, q4, q3, q2, q1, q0) for one compile-time K."""
     if not _REGISTER_WINDOWS:
         states = _gathered_states(trellis, k0, n0, size_n, TWICE_K, BLOCK_K, BLOCK_N)
     else:
@@ -218,11 +217,24 @@ def _decode_rate(trellis, k0, n0, size_n, codebook, TWICE_K: tl.constexpr, CODEB
             states = _ring_states(aligned, 0, 32, 1, TWICE_K)
         else:
             states = _ring_states(words, 0, 32, 1, TWICE_K)
-    w = _codebook_value(states, codebook, CODEBOOKS)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
-    # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
-    w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
-    w = tl.permute(w, (0, 8, 5, 6, 9, 1, 7, 2, 3, 4))
-    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+    return states
+
+
+@triton.jit
+def _present_states(trellis, k0, n0, size_n, twice_k, RATES: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """`_rate_states` at the runtime `twice_k`, one of the rates RATES (a present_key) allows: the last allowed is
+    taken without a test, so a uniform table compiles one rate and no branch, a mixed one a branch per rate held."""
+    FIRST: tl.constexpr = first_present(RATES)
+    REST: tl.constexpr = other_present(RATES)
+    if REST == -1:
+        states = _rate_states(trellis, k0, n0, size_n, FIRST, BLOCK_K, BLOCK_N)
+    else:
+        if twice_k == FIRST:
+            states = _rate_states(trellis, k0, n0, size_n, FIRST, BLOCK_K, BLOCK_N)
+        else:
+            states = _present_states(trellis, k0, n0, size_n, twice_k, REST, BLOCK_K, BLOCK_N)
+    return states
 
 
 @triton.jit
@@ -244,16 +256,14 @@ def matrix_rate(twice_k_ptr, codebook_ptr, TWICE_K: tl.constexpr, CODEBOOK: tl.c
 def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  RATES: tl.constexpr, CODEBOOKS: tl.constexpr):
     """fp16 (BLOCK_K, BLOCK_N): W_hat[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of the matrix whose trellis is at `trellis`.
-    Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py), `twice_k` = 2K one of those RATES (a present_key) allows;
-    the last allowed is decoded without a test, so a uniform table compiles its one rate and no branch, and a mixed
-    one a branch per rate it holds."""
-    FIRST: tl.constexpr = first_present(RATES)
-    REST: tl.constexpr = other_present(RATES)
-    if REST == -1:
-        w = _decode_rate(trellis, k0, n0, size_n, codebook, FIRST, CODEBOOKS, BLOCK_K, BLOCK_N)
-    else:
-        if twice_k == FIRST:
-            w = _decode_rate(trellis, k0, n0, size_n, codebook, FIRST, CODEBOOKS, BLOCK_K, BLOCK_N)
-        else:
-            w = decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K, BLOCK_N, REST, CODEBOOKS)
-    return w
+    Rates: K = 1..8 and 1.5, 2.5, 3.5 (exl3/bitrate.py), `twice_k` = 2K one of those RATES (a present_key) allows.
+    A mixed table branches per rate it holds for the states alone (`_present_states`); the codebook and the
+    permutation into (row, column) order follow the branch, compiled once per call site rather than once per rate:
+    each copy is compiled at every call site (gate/up has eight), and a K = 2/3/4 layer's startup variants took
+    2.0x a uniform layer's to compile with the whole decode copied per rate (issue #38)."""
+    states = _present_states(trellis, k0, n0, size_n, twice_k, RATES, BLOCK_K, BLOCK_N)
+    w = _codebook_value(states, codebook, CODEBOOKS)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
+    # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
+    w = tl.reshape(w, (BLOCK_K // 16, BLOCK_N // 16, 2, 2, 2, 2, 2, 2, 2, 2))
+    w = tl.permute(w, (0, 8, 5, 6, 9, 1, 7, 2, 3, 4))
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))

@@ -149,7 +149,8 @@ SPEC = LaunchSpec("dequantize_triton", dequantize_kernel, {
     "table": MatrixArgs, "counts": pointer("counts_ptr", "*i64"), "min_rows": integer("min_rows"),
     "first": integer("first"), "chunk": Arg("int"), "fold": constexpr("FOLD", "bool"),
     "split": constexpr("SPLIT", "bool"),
-    "out": Arg("Tensor(a!)", {"out_ptr": "*fp16"}, expand=lambda out, args: (out[args.offset:],)),
+    # from `offset` on: whole matrices of the workspace, so 16-byte aligned (a launch refuses an offset that is not)
+    "out": Arg("Tensor(a!)", {"out_ptr": "*fp16"}, expand=lambda out, args: (out[args.offset:],), aligned=("out_ptr",)),
     "offset": Arg("int"), "matrix_stride": integer("matrix_stride"), "size_k": integer("size_k"),
     "size_n": integer("size_n"), "n_first": integer("n_first"),
     "columns": Arg("int", {"out_stride": "i32"}),  # the stored rows' stride: a chunk of columns is stored dense
@@ -175,20 +176,27 @@ def dequantize(table: MatrixTable, out: torch.Tensor, *, counts: torch.Tensor, m
 
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
-    stored): with the input rotation folded (a MoE's gate/up, a dense linear) and as decoded (a MoE's down).
-    Aligned at every launch: the sides (multiples of 128, as EXL3 requires), the output (the workspace's start,
-    plus offsets and strides of whole matrices) and the column offset and count (whole 128-wide pieces)."""
+    stored), as a MoE prefill launches it: a chunk of gate/up matrices with the input rotation folded, in either form
+    (`split_fold_for`: each target launches one), and of down matrices as decoded. Each specialised as Triton's JIT
+    keys the launch (`LaunchSpec.specialised`) with the prefill's values at `shape`: the experts, the rows from
+    which a matrix is decoded, the matrix's sides, its columns from 0 (all stored, so the stored rows' stride is
+    the width) and one expert's stride in the workspace."""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
-    forms = (("folded", True, True), ("folded", True, False), ("plain", False, False))
-    return [
-        StaticKernel(f"dequantize[{shape.codebook},{label}]", dequantize_kernel, SPEC.signature(),
-                     dict(TWICE_K_TABLE=int(2 * shape.k_bits), CODEBOOK_TABLE=codebook, FOLD=fold, SPLIT=split,
-                          FILL=False),
-                     MATMUL_WARPS, 3, PIECE * PIECE, trellis_arg="table_trellis",
-                     aligned=("size_k", "size_n", "out_ptr", "matrix_stride", "out_stride", "n_first"),
-                     launched_on=None if not fold else functools.partial(_launches_split, split))
-        for label, fold, split in forms
-    ]
+    gate_up = (shape.hidden, shape.intermediate)
+    forms = (("folded", True, True, gate_up), ("folded", True, False, gate_up),
+             ("plain", False, False, (shape.intermediate, shape.hidden)))
+    kernels = []
+    for label, fold, split, (size_k, size_n) in forms:
+        launch = SPEC.specialised("*fp16", dict(
+            min_rows=DEQUANT_MIN_ROWS, num_matrices=shape.experts, size_k=size_k, size_n=size_n, n_first=0,
+            matrix_stride=3 * shape.hidden * shape.intermediate, out_stride=size_n))
+        kernels.append(StaticKernel(
+            f"dequantize[{shape.codebook},{label}]", dequantize_kernel, launch.signature,
+            dict(TWICE_K_TABLE=int(2 * shape.k_bits), CODEBOOK_TABLE=codebook, FOLD=fold, SPLIT=split, FILL=False,
+                 **launch.constants),
+            MATMUL_WARPS, 3, PIECE * PIECE, trellis_arg="table_trellis", aligned=launch.aligned,
+            launched_on=None if not fold else functools.partial(_launches_split, split)))
+    return kernels
 
 
 def _launches_split(split: bool, capability: int) -> bool:

@@ -407,7 +407,7 @@ DOWN = LaunchSpec("moe_down_triton", moe_down_kernel, {
             "finished": constexpr("FINISHED")})
 SUM = LaunchSpec("moe_sum_triton", moe_sum_kernel, {
     "y": pointer("y_ptr", "*fp32"), "ids": strided("ids_ptr", "*i64", ("stride_i0", "stride_i1"), dense=True),
-    "out": strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)"),
+    "out": strided("out_ptr", ACTIVATION, ("stride_om",), "Tensor(a!)", aligned=True),  # the forward's torch.empty
 }, derived={"parts": derived("parts"), "num_slots": derived("num_slots"), "size_n": derived("size_n"),
             "hidden": derived("hidden"), "top_k": constexpr("TOP_K"), "block": constexpr("BLOCK")})
 _gate_up = GATE_UP.register(_launch_gate_up)
@@ -556,11 +556,11 @@ def _per_target(variant: Callable[[int], Any]) -> list[tuple[Any, Callable[[int]
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`: gate/up and down for every activation
     dtype at decode (1 token: one program per slot, the input split as each target splits it) and, for fp16, as a
-    prefill's experts with few slots run them (rows sorted by expert, one part: gate/up finishes down's input). Each
-    specialised as Triton's JIT keys the launch (`LaunchSpec.specialised`: the declared unit strides and aligned
-    arguments, and the shape's K steps, top-k row strides and split); one variant per target where the targets'
-    stages or split differ. (The sum kernel reads no trellis: nothing in it for the report to measure;
-    triton_prefill.py lists the dense experts' kernels.)"""
+    prefill's experts with few slots run them (rows sorted by expert, one part: gate/up finishes down's input), and
+    the sum of the slots (which reads no trellis: its registers, spills and shared memory). Each specialised as
+    Triton's JIT keys the launch (`LaunchSpec.specialised`: the declared unit strides and aligned arguments, and the
+    shape's K steps, top-k row strides, widths and split); one variant per target where the targets' stages or split
+    differ. (triton_prefill.py lists the dense experts' kernels.)"""
     codebook = CODEBOOK_IDS_BY_NAME[shape.codebook]
     twice_k = int(2 * shape.k_bits)
     rows = dict(stride_r0=shape.top_k, stride_i0=shape.top_k)  # dense_rows: (tokens, top_k) and (tokens, hidden)
@@ -594,4 +594,9 @@ def static_kernels(shape: LayerShape) -> list[StaticKernel]:
                     {**flags, **down.constants, "TWICE_K_DOWN": twice_k, "CODEBOOK_DOWN": codebook,
                      "FINISHED": mode == "prefill"}, MATMUL_WARPS, 3, 2 * PIECE * PIECE, dtype=dtype,
                     trellis_arg="down_trellis", aligned=down.aligned, launched_on=launched_on))
+        total = SUM.specialised(activation, dict(stride_i0=shape.top_k, size_n=shape.hidden, hidden=shape.hidden,
+                                                 stride_om=shape.hidden))
+        kernels.append(StaticKernel(f"moe_sum[{dtype}]", moe_sum_kernel, total.signature,
+                                    {**total.constants, "TOP_K": shape.top_k, "BLOCK": SUM_BLOCK}, 4, 3, 0,
+                                    dtype=dtype, trellis_arg=None, aligned=total.aligned))
     return kernels

@@ -194,7 +194,7 @@ class DequantizedPrefill:
         self.gate_numel = gate.in_features * gate.out_features
         self.matrix_stride = 2 * self.gate_numel + down.in_features * down.out_features  # one expert's slot
         expert_bytes = self.matrix_stride * self.weight_dtype.itemsize
-        self.chunk = max(1, min(self.num_experts, workspace_bytes // expert_bytes))
+        self.chunk = chunk_experts(self.num_experts, expert_bytes, workspace_bytes)
         self.workspace_floats = -(-self.chunk * expert_bytes // 4)  # WORKSPACES holds fp32
         WORKSPACES.reserve(device, WORKSPACE, self.workspace_floats)
 
@@ -221,17 +221,29 @@ class DequantizedPrefill:
                   decoded=Decoded(w[offsets["down"]:], self.matrix_stride), svh_down=s[("down", "svh")], out=y,
                   flags=flags)
 
+def chunk_experts(num_experts: int, expert_bytes: int, workspace_bytes: int) -> int:
+    """Experts one chunk decodes into the workspace: as many as its bytes hold, at least one, at most all."""
+    return max(1, min(num_experts, workspace_bytes // expert_bytes))
+
+
 def static_kernels(shape: LayerShape) -> list[StaticKernel]:
     """What `bench-kernels --static` compiles of this module at `shape`, for half-precision models (fp16 weights
     in the workspace): the two grouped GEMMs, which read no trellis (the report gives their registers, spills and
-    shared memory; triton_dequantize.py lists the decode). Aligned at every launch: the workspace (its start, or
-    down's offset of two whole matrices), the stride of one expert's matrices and their sides (multiples of 128)."""
+    shared memory; triton_dequantize.py lists the decode). Each specialised as Triton's JIT keys the launch
+    (`LaunchSpec.specialised`) with the values a prefill passes at `shape`: the sides, the rows' strides (dense:
+    the width, top-k), one expert's stride in the workspace and the experts a default workspace's chunk holds."""
     gemm = dict(TOP_K=shape.top_k, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K, DOT_FP16=True, ROUTE_ON_INPUT=False)
-    aligned = ("w_ptr", "matrix_stride", "size_k", "size_n")
-    kernels = [StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, GATE_UP.signature(f"*{dtype}"),
-                            gemm | GATE_UP.constants() | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0, dtype=dtype, trellis_arg=None,
-                            aligned=aligned)
-               for dtype in ("fp16", "bf16")]
-    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, DOWN.signature(), gemm | DOWN.constants(), MATMUL_WARPS,
-                                3, 0, trellis_arg=None, aligned=aligned))
+    matrix_stride = 3 * shape.hidden * shape.intermediate
+    common = dict(stride_r0=shape.top_k, matrix_stride=matrix_stride,
+                  chunk=chunk_experts(shape.experts, 2 * matrix_stride, DEQUANT_WORKSPACE_BYTES))
+    kernels = []
+    for dtype in ("fp16", "bf16"):
+        gate_up = GATE_UP.specialised(f"*{dtype}", dict(common, stride_xm=shape.hidden, hidden=shape.hidden,
+                                                        size_k=shape.hidden, size_n=shape.intermediate))
+        kernels.append(StaticKernel(f"moe_grouped_gate_up[{dtype}]", grouped_gate_up_kernel, gate_up.signature,
+                                    gemm | gate_up.constants | dict(CLAMP=False, CROP=False), MATMUL_WARPS, 3, 0,
+                                    dtype=dtype, trellis_arg=None, aligned=gate_up.aligned))
+    down = DOWN.specialised("*fp16", dict(common, size_k=shape.intermediate, size_n=shape.hidden))
+    kernels.append(StaticKernel("moe_grouped_down[fp16]", grouped_down_kernel, down.signature,
+                                gemm | down.constants, MATMUL_WARPS, 3, 0, trellis_arg=None, aligned=down.aligned))
     return kernels

@@ -160,13 +160,16 @@ def static_kernel(key: tuple, fn) -> StaticKernel:
 
 
 def layer_variants(layer: CensusLayer, capability: int, tokens: tuple[int, ...]) -> dict[tuple, object]:
-    """The distinct variants of `layer`'s forwards at each of `tokens` on `capability` (its decode split and shared
-    memory limit), keyed by `launch_key`."""
-    from ..kernels import triton_moe
+    """The distinct variants of `layer`'s forwards at each of `tokens` on `capability` (its decode split, shared
+    memory limit and fold form), keyed by `launch_key`."""
+    from ..kernels import triton_dequantize, triton_moe
 
     moe = meta_layer(layer)
     split = decode_split(layer.hidden, layer.intermediate, layer.hidden, layer.top_k, 2 * SM_COUNT[capability])
-    with mock.patch.object(triton_moe, "shared_per_block", lambda device: SHARED_PER_BLOCK[capability]):
+    # What the launchers ask of the device: its shared memory per block, and its fold form (on meta, the split one)
+    with mock.patch.object(triton_moe, "shared_per_block", lambda device: SHARED_PER_BLOCK[capability]), \
+            mock.patch.object(triton_dequantize, "split_fold",
+                              lambda device: triton_dequantize.split_fold_for(capability)):
         kernel = fused_moe(moe, split)
         with recorded_launches() as seen:
             for n in tokens:

@@ -96,12 +96,33 @@ def _front_end(kernel: StaticKernel, capability: int):
     return module, backend, options, source.language
 
 
+# A function of the front end's IR, by its name (quoted where it holds a '-', e.g. a mixed table's constexpr key)
+_FUNCTION = r"tt\.func (?:private |public )?@\"?([\w.$-]+)"
+
+
 def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
     """The specialisations of @triton.jit functions `kernel` calls (Triton's mangled names: module.function__ then
     the argument types and `c<value>` per constexpr), from the front end alone (about a second): which code a
     compile would hold, e.g. which rates' decode a mixed table's kernel compiles."""
     module, _, _, _ = _front_end(kernel, capability)
-    return sorted(set(re.findall(r"tt\.func (?:private |public )?@([\w.$-]+)", str(module))))
+    return sorted(set(re.findall(_FUNCTION, str(module))))
+
+
+def calls(kernel: StaticKernel, capability: int) -> dict[str, list[str]]:
+    """{caller: [callee, ...]}: the front end's calls between the @triton.jit specialisations `kernel` compiles, one
+    entry per call site (names as `called_functions`): which code is compiled once per call site and which once per
+    branch, e.g. whether a mixed table's decode copies its codebook per rate."""
+    module, _, _, _ = _front_end(kernel, capability)
+    found: dict[str, list[str]] = {}
+    caller = None
+    for line in str(module).splitlines():
+        function = re.search(_FUNCTION, line)
+        if function:
+            caller = function.group(1)
+            found[caller] = []
+        for callee in re.findall(r"tt\.call @\"?([\w.$-]+)", line):
+            found[caller].append(callee)
+    return found
 
 
 def shared_bytes(kernel: StaticKernel, capability: int) -> int:
@@ -230,18 +251,23 @@ def shared_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shap
     return _each_variant(kernels_for, shapes, shared_bytes)
 
 
+def call_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
+    """{"sm_90": {"<model>/<kernel>": {caller: [callees]}}, ...}: `calls` of every variant each target launches."""
+    return _each_variant(kernels_for, shapes, calls)
+
+
 def function_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
     """{"sm_90": {"<model>/<kernel>": [called function specialisations]}, ...}: `called_functions` of every variant."""
     return _each_variant(kernels_for, shapes, called_functions)
 
 
-_MODES = {"compile": compile_targets, "shared": shared_targets, "functions": function_targets}
+_MODES = {"compile": compile_targets, "shared": shared_targets, "functions": function_targets, "calls": call_targets}
 
 
 def compile_report(provider: str, shapes: Iterable[LayerShape], mode: str = "compile") -> dict:
-    """`compile_targets` (mode "compile"), `shared_targets` ("shared") or `function_targets` ("functions") of
-    `provider` ("module:function" or "file.py:function", shape -> list[StaticKernel]) in a child Python with
-    Triton's compiler, whatever mode this process runs Triton in."""
+    """`compile_targets` (mode "compile"), `shared_targets` ("shared"), `function_targets` ("functions") or
+    `call_targets` ("calls") of `provider` ("module:function" or "file.py:function", shape -> list[StaticKernel]) in
+    a child Python with Triton's compiler, whatever mode this process runs Triton in."""
     return run_json(__name__, [mode, provider, json.dumps([asdict(s) for s in shapes])], triton_interpret=False)
 
 
