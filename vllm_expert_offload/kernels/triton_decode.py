@@ -260,7 +260,10 @@ def decode_block(trellis, k0, n0, size_n, twice_k, codebook, BLOCK_K: tl.constex
     A mixed table branches per rate it holds for the states alone (`_present_states`); the codebook and the
     permutation into (row, column) order follow the branch, compiled once per call site rather than once per rate:
     each copy is compiled at every call site (gate/up has eight), and a K = 2/3/4 layer's startup variants took
-    2.0x a uniform layer's to compile with the whole decode copied per rate (issue #38)."""
+    2.0x a uniform layer's to compile with the whole decode copied per rate (issue #38). The cost, mixed tables
+    alone: the 32-bit states live across the branch's join, so a K = 2/3/4 gate/up takes 255 registers and spills
+    8-12 B in two of its three startup variants (sm_90 and sm_120); with the codebook inside the branch (fp16 pairs
+    cross the join) it took 174-215 and spilled nothing, but compiled no faster than the whole decode per rate."""
     states = _present_states(trellis, k0, n0, size_n, twice_k, RATES, BLOCK_K, BLOCK_N)
     w = _codebook_value(states, codebook, CODEBOOKS)  # (tile row, tile column, g, q4, q3, q2, q1, q0)
     # g = (c2 c1 c0), q = (r0 r3 c3 r1 r2) -> (tile row, r3 r2 r1 r0, tile column, c3 c2 c1 c0)
