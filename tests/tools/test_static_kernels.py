@@ -88,6 +88,31 @@ def test_only_another_pointer_parameter_makes_a_table_offset_foreign() -> None:
     assert ptx_analysis.pointer_params(_TABLE_PTX) == {0, 1}
 
 
+# One kernel's front-end IR as Triton 3.6 (the lent GPU machine's) prints it and as 3.7+ do: 3.6 quotes the names of
+# functions called with constexprs and mangles each as `(position,)cconstexpr_<value>_` after the argument types.
+_IR_3_6 = """  tt.func public @k(%a: i64) {
+  tt.func private @"m.group_words__i64_i32__(2,)cconstexpr_4__(3,)cconstexpr_64_"(%t: i64, %k: i32) -> i32 {
+  tt.func private @"m._codebook__u32S4_8S__(1,)cconstexpr_-6_"(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m._mul1__u32S4_8S__(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @"m.flag____(0,)cconstexpr_True_"() {
+"""
+_IR_3_9 = """  tt.func public @k(%a: i64) {
+  tt.func private @m.group_words__i64_i32_c4_c64(%t: i64, %k: i32) -> i32 {
+  tt.func private @m._codebook__u32S4_8S_c-6(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m._mul1__u32S4_8S(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m.flag__cTrue() {
+"""
+
+
+@pytest.mark.parametrize("ir", [_IR_3_6, _IR_3_9], ids=["triton-3.6", "triton-3.9"])
+def test_called_functions_read_alike_under_each_triton(ir: str, monkeypatch) -> None:
+    """test_mixed_rates.py reads which rates a kernel compiles from these names: under 3.6 a regex for 3.9's bare
+    names found none of the constexpr-specialised functions (the decode's), so it saw no kernel decode at all."""
+    monkeypatch.setattr(static_kernels, "_front_end", lambda kernel, capability: (ir, None, None, None))
+    assert static_kernels.called_functions(None, 90) == sorted(
+        ["k", "m.group_words__i64_i32_c4_c64", "m._codebook__u32S4_8S_c-6", "m._mul1__u32S4_8S", "m.flag__cTrue"])
+
+
 def test_sass_loop_without_line_info_is_refused() -> None:
     sass = ".L_x_0:\n        /*0000*/ LDG.E R4, desc[UR4][R4.64] ;\n        /*0010*/ BRA `(.L_x_0) ;\n"
     with pytest.raises(ValueError, match="line info"):

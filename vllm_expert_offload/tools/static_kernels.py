@@ -101,7 +101,24 @@ def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
     the argument types and `c<value>` per constexpr), from the front end alone (about a second): which code a
     compile would hold, e.g. which rates' decode a mixed table's kernel compiles."""
     module, _, _, _ = _front_end(kernel, capability)
-    return sorted(set(re.findall(r"tt\.func (?:private |public )?@([\w.$-]+)", str(module))))
+    names = re.findall(r'tt\.func (?:private |public )?@(?:"([^"]+)"|([\w.$-]+))', str(module))
+    return sorted({_mangled_as_since_3_7(quoted or bare) for quoted, bare in names})
+
+
+# Triton 3.6 (the lent GPU machine's) mangles a function's constexprs after its argument types, each as
+# `(position,)cconstexpr_<value>_`, the name quoted in the IR: module.f__i64_i32__(2,)cconstexpr_4__(3,)cconstexpr_64_
+# (and module.f__i64__ without one); from 3.7 each is `c<value>` in the argument list: module.f__i64_i32_c4_c64.
+_CONSTEXPR_3_6 = re.compile(r"\([\d, ]+\)cconstexpr_(.*?)_(?=_\(|$)")
+
+
+def _mangled_as_since_3_7(name: str) -> str:
+    """`name` in the mangling Triton uses from 3.7 (unchanged when it is already): callers read one form whichever
+    Triton compiled (for a function whose constexprs are its last arguments, the very name 3.7+ gives it)."""
+    head, found, constants = name.partition("__(")
+    if not found:
+        return name.removesuffix("__") if name.count("__") > 1 else name
+    values = "".join(f"_c{value}" for value in _CONSTEXPR_3_6.findall("(" + constants))
+    return head + (values[1:] if head.endswith("__") else values)
 
 
 def shared_bytes(kernel: StaticKernel, capability: int) -> int:
