@@ -17,6 +17,8 @@ from vllm_expert_offload import cli
 from vllm_expert_offload.kernels.static_spec import LayerShape, StaticKernel
 from vllm_expert_offload.tools import bench_kernels_cmd, compile_census, ptx_analysis, static_kernels, static_report
 
+from support.lent_toolchain import LENT, pretend_lent_toolchain
+
 PROBES = str(Path(__file__).with_name("static_probe_kernels.py"))
 TINY = LayerShape("tiny", hidden=128, intermediate=128, experts=4, top_k=2)
 
@@ -113,6 +115,27 @@ def test_called_functions_read_alike_under_each_triton(ir: str, monkeypatch) -> 
         ["k", "m.group_words__i64_i32_c4_c64", "m._codebook__u32S4_8S_c-6", "m._mul1__u32S4_8S", "m.flag__cTrue"])
 
 
+def test_report_says_which_triton_and_ptxas_compiled_each_target(monkeypatch) -> None:
+    """Registers, spills, load widths and instruction counts are one Triton's and one ptxas's: each target's entry and
+    summary line name them (the lent machine's Triton 3.6 compiles sm_90 with ptxas 12.8, sm_120 with 12.9)."""
+    pretend_lent_toolchain(monkeypatch)
+    monkeypatch.setattr(static_kernels, "analyse", lambda kernel, capability: {})  # nothing compiled
+    kernel = StaticKernel("k", None, {"ptr": "*i16"}, {}, 4, 1, 8, "ptr")
+    targets = static_kernels.compile_targets(lambda shape: [kernel], [TINY])
+    assert targets == {"sm_90": {"kernels": {"tiny/k": {}}, **LENT[90]},
+                       "sm_120": {"kernels": {"tiny/k": {}}, **LENT[120]}}
+    census = {"count": 1, "by_kernel": {"k": 1}}
+    report = {"targets": {"sm_120": {"kernels": {}, **LENT[120]}}, "launches": {}, "estimates": {},
+              "dequantize_estimates": {}, "compile_census": {"sm_90": {
+                  "counted": {**census, "toolchain": {"triton": "3.6.0"}},
+                  "compiled": {**census, "toolchain": LENT[90], "compile_s": 1.0, "shared_bytes_max": 0,
+                               "shared_limit": 232448, "variants_over_limit": 0}}}}
+    lines = static_report.summary_lines(report)
+    assert lines[0] == "sm_120 (Triton 3.6.0, ptxas 12.9):"
+    assert [line.split(":")[0] for line in lines if line.startswith("CENSUS")] == [
+        "CENSUS sm_90 counted (Triton 3.6.0)", "CENSUS sm_90 compiled (Triton 3.6.0, ptxas 12.8)"]
+
+
 def test_sass_loop_without_line_info_is_refused() -> None:
     sass = ".L_x_0:\n        /*0000*/ LDG.E R4, desc[UR4][R4.64] ;\n        /*0010*/ BRA `(.L_x_0) ;\n"
     with pytest.raises(ValueError, match="line info"):
@@ -172,6 +195,10 @@ def test_report_layout_and_todays_kernel(tmp_path, monkeypatch) -> None:
     report = json.loads(out.read_text())
     assert report["compile_census"], "the census is part of the report"
     assert set(report["targets"]) == {"sm_90", "sm_120"}
+    running = {target: static_kernels.toolchain(capability) for target, capability in static_kernels.TARGETS.items()}
+    assert {target: {"triton": e["triton"], "ptxas": e["ptxas"]} for target, e in report["targets"].items()} == running
+    assert all(c["toolchain"]["triton"] == running[target]["triton"]
+               for target, per_model in report["compile_census"].items() for c in per_model.values())
     assert set(report["launches"]) == {"moe_1", "moe_8", "moe_64", "dense_1"}
     for target in ("sm_90", "sm_120"):
         facts = report["targets"][target]["kernels"]["Qwen3-30B-A3B/exl3_matmul[mul1,fp16]"]

@@ -192,11 +192,15 @@ def analyse(kernel: StaticKernel, capability: int) -> dict:
     }
 
 
-def ptxas_version() -> str:
+def toolchain(capability: int) -> dict[str, str]:
+    """The Triton and ptxas versions that compile for `capability` in this Python, stamped on what they measured:
+    registers, spills, load widths, instruction counts and compile seconds are theirs. The lent GPU machine runs
+    another Triton than the CPU proofs (3.6 there, ptxas 12.8 for sm_90 and ptxas-blackwell 12.9 for sm_120; 3.9
+    here, ptxas 13.4 for both)."""
+    import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    return get_ptxas(90).version
-
+    return {"triton": triton.__version__, "ptxas": get_ptxas(capability).version}
 
 
 def _kernel_key(kernel: StaticKernel, capability: int) -> tuple:
@@ -237,8 +241,9 @@ def _each_variant(kernels_for: Callable[[LayerShape], list[StaticKernel]], shape
 
 
 def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
-    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}: `analyse` of every variant."""
-    return {target: {"kernels": kernels}
+    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}, "triton": version, "ptxas": version}, "sm_120": ...}:
+    `analyse` of every variant, stamped with the `toolchain` that compiled them."""
+    return {target: {"kernels": kernels, **toolchain(TARGETS[target])}
             for target, kernels in _each_variant(kernels_for, shapes, analyse, announce=True).items()}
 
 
