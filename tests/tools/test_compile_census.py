@@ -12,6 +12,8 @@ import torch
 from vllm_expert_offload.tools import compile_census
 from vllm_expert_offload.tools.compile_census import LAYERS, PROFILE_TOKENS, VLLM_CAPTURE_SIZES
 
+from support.lent_toolchain import LENT, pretend_lent_toolchain
+
 TOKENS = (*VLLM_CAPTURE_SIZES, PROFILE_TOKENS)
 
 
@@ -70,3 +72,18 @@ def test_every_codebook_and_mixed_rates_census() -> None:
     gate_up = [dict((p, spec) for p, _, spec in key[1]) for key in variants if key[0] == "moe_gate_up_kernel"]
     rates, codebooks = -(1 << 4 | 1 << 5 | 1 << 6 | 1 << 8 | 1 << 10), -(1 | 2 | 4)
     assert len(gate_up) == 3 and all(v["TWICE_K_GATE"] == rates and v["CODEBOOK_GATE"] == codebooks for v in gate_up)
+
+
+def test_census_says_which_triton_and_ptxas_measured_it(monkeypatch) -> None:
+    """The count is the running Triton's launch keys, the compile facts its ptxas's: each layer's entry names them
+    per target (the lent machine's Triton 3.6 takes ptxas 12.8 for sm_90, 12.9 for sm_120), no ptxas where nothing
+    was compiled."""
+    pretend_lent_toolchain(monkeypatch)
+    layer = compile_census.CensusLayer("tiny", 128, 256, 4, 2, ((3, "mul1"),), "fp16")
+    counted = compile_census.census((layer,), (1,))
+    assert {target: c["tiny"]["toolchain"] for target, c in counted.items()} == {
+        "sm_90": {"triton": "3.6.0"}, "sm_120": {"triton": "3.6.0"}}
+    facts = {"seconds": 1.0, "shared_bytes": 0, "spills": 0, "registers": 32}
+    compiled = compile_census.census((layer,), (1,), compile_variants=lambda kernel, capability: facts)
+    assert compiled["sm_90"]["tiny"]["toolchain"] == LENT[90]
+    assert compiled["sm_120"]["tiny"]["toolchain"] == LENT[120]

@@ -12,12 +12,14 @@ from vllm_expert_offload.tools.compile_census import CensusLayer
 from vllm_expert_offload.tools.gpu_check_budget import (
     CODEBOOK_COPY,
     COMPILE_S,
+    PRICED_WITH,
     RATE_COPY,
     STEPS,
     TESTS_LAYER,
     StepPlan,
     budgets,
     decode_copies,
+    prices_note,
     run_seconds,
     variant_seconds,
 )
@@ -127,3 +129,14 @@ def test_every_step_of_the_script_has_a_plan() -> None:
 def test_a_step_that_compiles_nothing_is_its_own_seconds() -> None:
     rows = budgets((StepPlan("x", 3, ((UNIFORM, (1,)),)), StepPlan("y", 2)))
     assert rows[1] == ("y", 2, 2, "run 2 s", "") and rows[0][2] > rows[0][1] and "census" in rows[0][3]
+
+
+def test_prices_name_their_toolchain_and_warn_on_another() -> None:
+    """The lent machine compiles with Triton 3.6 (ptxas 12.8), the prices were measured with PRICED_WITH: the budget
+    says so and warns, without refusing; where the toolchain is the prices' own, no warning. A ptxas alone differing
+    warns too (ptxas does most of a compile's work)."""
+    same = prices_note(dict(PRICED_WITH))
+    assert len(same) == 1 and f"Triton {PRICED_WITH['triton']}, ptxas {PRICED_WITH['ptxas']}" in same[0]
+    lent = prices_note({"triton": "3.6.0", "ptxas": "12.8"})
+    assert "this Python compiles with Triton 3.6.0, ptxas 12.8" in lent[0] and lent[1].startswith("WARNING")
+    assert prices_note({**PRICED_WITH, "ptxas": "12.8"})[1].startswith("WARNING")

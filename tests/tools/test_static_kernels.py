@@ -17,6 +17,8 @@ from vllm_expert_offload import cli
 from vllm_expert_offload.kernels.static_spec import LayerShape, StaticKernel
 from vllm_expert_offload.tools import bench_kernels_cmd, compile_census, ptx_analysis, static_kernels, static_report
 
+from support.lent_toolchain import LENT, pretend_lent_toolchain
+
 PROBES = str(Path(__file__).with_name("static_probe_kernels.py"))
 TINY = LayerShape("tiny", hidden=128, intermediate=128, experts=4, top_k=2)
 
@@ -88,6 +90,52 @@ def test_only_another_pointer_parameter_makes_a_table_offset_foreign() -> None:
     assert ptx_analysis.pointer_params(_TABLE_PTX) == {0, 1}
 
 
+# One kernel's front-end IR as Triton 3.6 (the lent GPU machine's) prints it and as 3.7+ do: 3.6 quotes the names of
+# functions called with constexprs and mangles each as `(position,)cconstexpr_<value>_` after the argument types.
+_IR_3_6 = """  tt.func public @k(%a: i64) {
+  tt.func private @"m.group_words__i64_i32__(2,)cconstexpr_4__(3,)cconstexpr_64_"(%t: i64, %k: i32) -> i32 {
+  tt.func private @"m._codebook__u32S4_8S__(1,)cconstexpr_-6_"(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m._mul1__u32S4_8S__(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @"m.flag____(0,)cconstexpr_True_"() {
+"""
+_IR_3_9 = """  tt.func public @k(%a: i64) {
+  tt.func private @m.group_words__i64_i32_c4_c64(%t: i64, %k: i32) -> i32 {
+  tt.func private @m._codebook__u32S4_8S_c-6(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m._mul1__u32S4_8S(%s: tensor<4x8xi32>) -> tensor<4x8xf16> {
+  tt.func private @m.flag__cTrue() {
+"""
+
+
+@pytest.mark.parametrize("ir", [_IR_3_6, _IR_3_9], ids=["triton-3.6", "triton-3.9"])
+def test_called_functions_read_alike_under_each_triton(ir: str, monkeypatch) -> None:
+    """test_mixed_rates.py reads which rates a kernel compiles from these names: under 3.6 a regex for 3.9's bare
+    names found none of the constexpr-specialised functions (the decode's), so it saw no kernel decode at all."""
+    monkeypatch.setattr(static_kernels, "_front_end", lambda kernel, capability: (ir, None, None, None))
+    assert static_kernels.called_functions(None, 90) == sorted(
+        ["k", "m.group_words__i64_i32_c4_c64", "m._codebook__u32S4_8S_c-6", "m._mul1__u32S4_8S", "m.flag__cTrue"])
+
+
+def test_report_says_which_triton_and_ptxas_compiled_each_target(monkeypatch) -> None:
+    """Registers, spills, load widths and instruction counts are one Triton's and one ptxas's: each target's entry and
+    summary line name them (the lent machine's Triton 3.6 compiles sm_90 with ptxas 12.8, sm_120 with 12.9)."""
+    pretend_lent_toolchain(monkeypatch)
+    monkeypatch.setattr(static_kernels, "analyse", lambda kernel, capability: {})  # nothing compiled
+    kernel = StaticKernel("k", None, {"ptr": "*i16"}, {}, 4, 1, 8, "ptr")
+    targets = static_kernels.compile_targets(lambda shape: [kernel], [TINY])
+    assert targets == {"sm_90": {"kernels": {"tiny/k": {}}, **LENT[90]},
+                       "sm_120": {"kernels": {"tiny/k": {}}, **LENT[120]}}
+    census = {"count": 1, "by_kernel": {"k": 1}}
+    report = {"targets": {"sm_120": {"kernels": {}, **LENT[120]}}, "launches": {}, "estimates": {},
+              "dequantize_estimates": {}, "compile_census": {"sm_90": {
+                  "counted": {**census, "toolchain": {"triton": "3.6.0"}},
+                  "compiled": {**census, "toolchain": LENT[90], "compile_s": 1.0, "shared_bytes_max": 0,
+                               "shared_limit": 232448, "variants_over_limit": 0}}}}
+    lines = static_report.summary_lines(report)
+    assert lines[0] == "sm_120 (Triton 3.6.0, ptxas 12.9):"
+    assert [line.split(":")[0] for line in lines if line.startswith("CENSUS")] == [
+        "CENSUS sm_90 counted (Triton 3.6.0)", "CENSUS sm_90 compiled (Triton 3.6.0, ptxas 12.8)"]
+
+
 def test_sass_loop_without_line_info_is_refused() -> None:
     sass = ".L_x_0:\n        /*0000*/ LDG.E R4, desc[UR4][R4.64] ;\n        /*0010*/ BRA `(.L_x_0) ;\n"
     with pytest.raises(ValueError, match="line info"):
@@ -147,6 +195,10 @@ def test_report_layout_and_todays_kernel(tmp_path, monkeypatch) -> None:
     report = json.loads(out.read_text())
     assert report["compile_census"], "the census is part of the report"
     assert set(report["targets"]) == {"sm_90", "sm_120"}
+    running = {target: static_kernels.toolchain(capability) for target, capability in static_kernels.TARGETS.items()}
+    assert {target: {"triton": e["triton"], "ptxas": e["ptxas"]} for target, e in report["targets"].items()} == running
+    assert all(c["toolchain"]["triton"] == running[target]["triton"]
+               for target, per_model in report["compile_census"].items() for c in per_model.values())
     assert set(report["launches"]) == {"moe_1", "moe_8", "moe_64", "dense_1"}
     for target in ("sm_90", "sm_120"):
         facts = report["targets"][target]["kernels"]["Qwen3-30B-A3B/exl3_matmul[mul1,fp16]"]

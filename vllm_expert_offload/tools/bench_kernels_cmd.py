@@ -136,7 +136,6 @@ def run_static(path: Path) -> int:
     report["estimates"] = static_report.estimates(targets, launches, estimate_kernel)
     report["dequantize_estimates"] = static_report.dequantize_estimates(targets, dequantize_kernels)
     report["shapes"] = static_report.shapes_json()
-    report["ptxas"] = static_kernels.ptxas_version()
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     path.write_text(json.dumps(report, indent=1) + "\n")
     print("\n".join(static_report.summary_lines(report)))

@@ -184,16 +184,23 @@ def census(layers: tuple[CensusLayer, ...] = LAYERS, tokens: tuple[int, ...] = (
            compile_variants: Callable[[StaticKernel, int], dict] | None = None) -> dict:
     """Per target and layer: the variants' count and count by kernel, and with `compile_variants` (variant, capability
     -> facts) their total compile seconds, largest shared memory against the target's limit and each variant's
-    facts. In-process (under Triton's interpreter too, when nothing is compiled)."""
+    facts; each stamped with the Triton that specialised them (its version: the count is its launch keys) and the
+    ptxas that compiled them (tools/static_kernels.toolchain). In-process (under Triton's interpreter too, when
+    nothing is compiled)."""
+    from .static_kernels import toolchain
+
     out = {}
     for target, capability in (("sm_90", 90), ("sm_120", 120)):
         per_layer = {}
+        stamp = toolchain(capability)
+        if compile_variants is None:
+            del stamp["ptxas"]  # nothing compiled
         for layer in layers:
             variants = layer_variants(layer, capability, tokens)
             by_kernel: dict[str, int] = {}
             for key in variants:
                 by_kernel[key[0]] = by_kernel.get(key[0], 0) + 1
-            entry = {"count": len(variants), "by_kernel": by_kernel}
+            entry = {"count": len(variants), "by_kernel": by_kernel, "toolchain": stamp}
             if compile_variants is not None:
                 facts = [compile_variants(static_kernel(key, fn), capability) for key, fn in variants.items()]
                 entry["compile_s"] = round(sum(f["seconds"] for f in facts), 1)

@@ -13,6 +13,7 @@ are priced in the order the script runs them.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from ..kernels.matrix_table import present_values
@@ -32,6 +33,9 @@ COMPILE_S = {"moe_gate_up_kernel": 25, "moe_down_kernel": 12, "moe_sum_kernel": 
              "grouped_gate_up_kernel": 10, "grouped_down_kernel": 10, "exl3_matmul_kernel": 8,
              # test_compiled_gpu.py's FusedTritonLinear (512 x 384, K = 4, fp32): 6.3 s (compile_census.timed_compile)
              "linear_kernel": 10}
+# The toolchain COMPILE_S was measured with (tools/static_kernels.toolchain, sm_90): compile seconds are that
+# Triton's and that ptxas's; the lent GPU machine runs another (Triton 3.6, ptxas 12.8), so the budgets say which.
+PRICED_WITH = {"triton": "3.9.0", "ptxas": "13.4"}
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,21 @@ def run_seconds(plan: list[tuple[str, int, int, str, str]], skip: tuple[str, ...
     return total
 
 
+def prices_note(running: dict[str, str]) -> list[str]:
+    """Which toolchain measured the prices, and a warning (not a refusal: the check is worth running, its budgets
+    are then an estimate) when `running` (this machine's, tools/static_kernels.toolchain) is another."""
+    lines = [f"compile prices measured with Triton {PRICED_WITH['triton']}, ptxas {PRICED_WITH['ptxas']} (sm_90); "
+             f"this Python compiles with Triton {running['triton']}, ptxas {running['ptxas']}"]
+    if running != PRICED_WITH:
+        lines.append("WARNING: another toolchain than the prices' compiles at another speed; each step's compile "
+                     "budget is an estimate for it (tools/compile_census.py measures it: bench-kernels --static)")
+    return lines
+
+
 if __name__ == "__main__":
+    from .static_kernels import toolchain
+
+    print("\n".join(prices_note(toolchain(90))), file=sys.stderr, flush=True)
     _plan = budgets()
     for _name, _run_s, _seconds, _source, _beside in _plan:
         print(f"{_name}\t{_run_s}\t{_seconds}\t{_source}\t{_beside}")

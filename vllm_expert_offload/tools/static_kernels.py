@@ -96,8 +96,10 @@ def _front_end(kernel: StaticKernel, capability: int):
     return module, backend, options, source.language
 
 
-# A function of the front end's IR, by its name (quoted where it holds a '-', e.g. a mixed table's constexpr key)
-_FUNCTION = r"tt\.func (?:private |public )?@\"?([\w.$-]+)"
+# A function (or call) of the front end's IR, by its name: quoted where it holds a '-' (a mixed table's constexpr key)
+# or, under Triton 3.6, the parentheses of its mangled constexprs.
+_FUNCTION = r'tt\.func (?:private |public )?@(?:"([^"]+)"|([\w.$-]+))'
+_CALL = r'tt\.call @(?:"([^"]+)"|([\w.$-]+))'
 
 
 def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
@@ -105,7 +107,7 @@ def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
     the argument types and `c<value>` per constexpr), from the front end alone (about a second): which code a
     compile would hold, e.g. which rates' decode a mixed table's kernel compiles."""
     module, _, _, _ = _front_end(kernel, capability)
-    return sorted(set(re.findall(_FUNCTION, str(module))))
+    return sorted({_mangled_as_since_3_7(quoted or bare) for quoted, bare in re.findall(_FUNCTION, str(module))})
 
 
 def calls(kernel: StaticKernel, capability: int) -> dict[str, list[str]]:
@@ -118,11 +120,27 @@ def calls(kernel: StaticKernel, capability: int) -> dict[str, list[str]]:
     for line in str(module).splitlines():
         function = re.search(_FUNCTION, line)
         if function:
-            caller = function.group(1)
+            caller = _mangled_as_since_3_7(function.group(1) or function.group(2))
             found[caller] = []
-        for callee in re.findall(r"tt\.call @\"?([\w.$-]+)", line):
-            found[caller].append(callee)
+        for quoted, bare in re.findall(_CALL, line):
+            found[caller].append(_mangled_as_since_3_7(quoted or bare))
     return found
+
+
+# Triton 3.6 (the lent GPU machine's) mangles a function's constexprs after its argument types, each as
+# `(position,)cconstexpr_<value>_`, the name quoted in the IR: module.f__i64_i32__(2,)cconstexpr_4__(3,)cconstexpr_64_
+# (and module.f__i64__ without one); from 3.7 each is `c<value>` in the argument list: module.f__i64_i32_c4_c64.
+_CONSTEXPR_3_6 = re.compile(r"\([\d, ]+\)cconstexpr_(.*?)_(?=_\(|$)")
+
+
+def _mangled_as_since_3_7(name: str) -> str:
+    """`name` in the mangling Triton uses from 3.7 (unchanged when it is already): callers read one form whichever
+    Triton compiled (for a function whose constexprs are its last arguments, the very name 3.7+ gives it)."""
+    head, found, constants = name.partition("__(")
+    if not found:
+        return name.removesuffix("__") if name.count("__") > 1 else name
+    values = "".join(f"_c{value}" for value in _CONSTEXPR_3_6.findall("(" + constants))
+    return head + (values[1:] if head.endswith("__") else values)
 
 
 def shared_bytes(kernel: StaticKernel, capability: int) -> int:
@@ -196,11 +214,15 @@ def analyse(kernel: StaticKernel, capability: int) -> dict:
     }
 
 
-def ptxas_version() -> str:
+def toolchain(capability: int) -> dict[str, str]:
+    """The Triton and ptxas versions that compile for `capability` in this Python, stamped on what they measured:
+    registers, spills, load widths, instruction counts and compile seconds are theirs. The lent GPU machine runs
+    another Triton than the CPU proofs (3.6 there, ptxas 12.8 for sm_90 and ptxas-blackwell 12.9 for sm_120; 3.9
+    here, ptxas 13.4 for both)."""
+    import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    return get_ptxas(90).version
-
+    return {"triton": triton.__version__, "ptxas": get_ptxas(capability).version}
 
 
 def _kernel_key(kernel: StaticKernel, capability: int) -> tuple:
@@ -241,8 +263,9 @@ def _each_variant(kernels_for: Callable[[LayerShape], list[StaticKernel]], shape
 
 
 def compile_targets(kernels_for: Callable[[LayerShape], list[StaticKernel]], shapes: Iterable[LayerShape]) -> dict:
-    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}}, "sm_120": ...}: `analyse` of every variant."""
-    return {target: {"kernels": kernels}
+    """{"sm_90": {"kernels": {"<model>/<kernel>": facts}, "triton": version, "ptxas": version}, "sm_120": ...}:
+    `analyse` of every variant, stamped with the `toolchain` that compiled them."""
+    return {target: {"kernels": kernels, **toolchain(TARGETS[target])}
             for target, kernels in _each_variant(kernels_for, shapes, analyse, announce=True).items()}
 
 

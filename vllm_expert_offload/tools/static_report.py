@@ -101,7 +101,7 @@ def estimates(targets: dict, launches: dict, kernel_name: Callable[[LayerShape],
 def summary_lines(report: dict) -> list[str]:
     lines = []
     for target, entry in report["targets"].items():
-        lines.append(f"{target}:")
+        lines.append(f"{target} ({_measured_by(entry)}):")
         for name, f in entry["kernels"].items():
             reads = "reads no trellis" if f["trellis_load_bits"] is None else (
                 f"trellis loads {f['trellis_load_bits']}-bit, {f['ptx_per_weight']} PTX / {f['sass_per_weight']} SASS "
@@ -119,13 +119,19 @@ def summary_lines(report: dict) -> list[str]:
             compiled = (f"{c['compile_s']} s to compile here, shared memory at most {c['shared_bytes_max']} B of "
                         f"{c['shared_limit']} B ({c['variants_over_limit']} over)") if "compile_s" in c else \
                 "counted, not compiled"
-            lines.append(f"CENSUS {target} {model}: {c['count']} variants at startup ("
+            lines.append(f"CENSUS {target} {model} ({_measured_by(c['toolchain'])}): {c['count']} variants at startup ("
                          + ", ".join(f"{k} {n}" for k, n in c["by_kernel"].items()) + f"), {compiled}")
     for target, per_model in report["dequantize_estimates"].items():
         for model, e in per_model.items():
             lines.append(f"ESTIMATE {target} ({e['gpu']}) {model}, one expert decoded once for a prefill (gate and up "
                          f"folded): issue {e['issue_us']} µs, memory {e['memory_us']} µs: bound by {e['bound']}")
     return lines
+
+
+def _measured_by(toolchain: dict) -> str:
+    """"Triton 3.6.0, ptxas 12.8": what compiled (or, without ptxas, only specialised) the kernels a line is about."""
+    ptxas = f", ptxas {toolchain['ptxas']}" if "ptxas" in toolchain else ""
+    return f"Triton {toolchain['triton']}{ptxas}"
 
 
 def shapes_json() -> list[dict]:
