@@ -221,6 +221,7 @@ class DequantizedPrefill:
                   decoded=Decoded(w[offsets["down"]:], self.matrix_stride), svh_down=s[("down", "svh")], out=y,
                   flags=flags)
 
+
 def chunk_experts(num_experts: int, expert_bytes: int, workspace_bytes: int) -> int:
     """Experts one chunk decodes into the workspace: as many as its bytes hold, at least one, at most all."""
     return max(1, min(num_experts, workspace_bytes // expert_bytes))

@@ -106,8 +106,7 @@ def called_functions(kernel: StaticKernel, capability: int) -> list[str]:
     """The specialisations of @triton.jit functions `kernel` calls (Triton's mangled names: module.function__ then
     the argument types and `c<value>` per constexpr), from the front end alone (about a second): which code a
     compile would hold, e.g. which rates' decode a mixed table's kernel compiles."""
-    module, _, _, _ = _front_end(kernel, capability)
-    return sorted({_mangled_as_since_3_7(quoted or bare) for quoted, bare in re.findall(_FUNCTION, str(module))})
+    return sorted(calls(kernel, capability))  # every function compiled is a caller, of none or more
 
 
 def calls(kernel: StaticKernel, capability: int) -> dict[str, list[str]]:
