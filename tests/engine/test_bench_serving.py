@@ -102,14 +102,19 @@ def test_bench_against_a_live_server(tmp_path) -> None:
     plot(result, png)
     assert png.read_bytes().startswith(b"\x89PNG")
 
-    figures = {}
+    figures, flagged = {}, {}
     for concurrency, (ours, theirs) in side_by_side.items():
+        if ours["failed"] is not None:  # bench does not stand behind this level's figures, so they are not compared
+            flagged[concurrency] = ours["failed"]
+            continue
         figures[concurrency] = {"TPOT ms": (1000 / ours["median_tok_s"], theirs["median_tpot_ms"]),
                                 "TTFT ms": (1000 * ours["ttft_median_s"], theirs["median_ttft_ms"])}
-    print(f"side by side (streams: {{figure: (bench, vllm bench serve)}}): {figures}")
+    print(f"side by side (streams: {{figure: (bench, vllm bench serve)}}): {figures}; flagged: {flagged}")
     if queued > 2:
         pytest.skip(f"load average {queued:.1f} tasks per core: no steady server to compare on; {figures}")
     for concurrency, pair in figures.items():
         for name, (bench_ms, vllm_ms) in pair.items():
             assert bench_ms == pytest.approx(vllm_ms, rel=0.15), f"{concurrency} streams, {name}: {figures}"
+    if flagged:  # a starved client reads a stream's chunks in one burst; bench flags that level (its server check)
+        pytest.skip(f"bench flagged {flagged}: those levels were not compared; compared: {figures}")
 
