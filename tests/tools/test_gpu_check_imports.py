@@ -23,12 +23,13 @@ class NoVllm:
 sys.meta_path.insert(0, NoVllm())
 sys.path.insert(0, "tests")
 """
-# Everything scripts/gpu-check.sh imports before the engine steps: its step budgets, the kernels and memory tiers, the
-# benchmarks, the GPU tests (with their helpers), the CLI's topology command.
+# Everything scripts/gpu-check.sh imports before the engine steps: its step budgets, the CPU tier's extension build, the
+# kernels and memory tiers, the benchmarks, the GPU tests (with their helpers), the CLI's topology command.
 MODULES = ("vllm_expert_offload", "vllm_expert_offload.kernels.oracle", "vllm_expert_offload.kernels.ops", "vllm_expert_offload.kernels.triton_exl3",
            "vllm_expert_offload.kernels.exllamav3_backend", "vllm_expert_offload.memory",
            "vllm_expert_offload.tools.random_layers", "vllm_expert_offload.cli", "vllm_expert_offload.tools.topology_cmd",
-           "vllm_expert_offload.tools.gpu_check_budget", "support.moe_layers")
+           "vllm_expert_offload.tools.gpu_check_budget", "vllm_expert_offload.tools.cpu_kernel_build",
+           "support.moe_layers")
 FILES = ("benchmarks/gpu_bandwidth_probe.py", "benchmarks/bench_gpu_kernels.py", "tests/kernels/test_triton_gpu.py",
          "tests/kernels/test_exllamav3_gpu.py", "tests/kernels/test_compiled_gpu.py", "tests/memory/test_arena.py",
          "tests/kernels/test_pointer_tables.py", "tests/kernels/test_stream_host_tier.py")
