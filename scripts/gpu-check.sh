@@ -8,26 +8,28 @@
 #
 # The lent machine's run: run(command='scripts/gpu-check.sh "$OUT"', carry=[".gpucheck"], timeout_s=540).
 #
-# First machine.txt (nvidia-smi -q, lscpu, numactl -H where present, the versions of torch, Triton, numpy,
-# safetensors and pytest). Each step runs under its own time budget, derived from the compile census
-# (vllm_expert_offload/tools/gpu_check_budget.py: the step's own seconds plus the Triton variants it compiles, each at
-# its measured compile time times the decode copies its tables hold, printed with its source before the first step,
-# with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s). The essentials first: the GPU tests (mapped arena,
-# pointer tables, host tier, the Triton MoE against the torch reference, CUDA-graph replay, ...) side by side, each its
-# own pytest (their compiles spread over the 16 cores; the every-rate check in lanes of two Ks), then the benchmarks
-# alone.
+# First, in the background, the CPU tier's C++ extension (tools/cpu_kernel_build.py: g++, ninja and the Python headers
+# needed there), which the CPU tier's GPU tests wait for; then machine.txt (nvidia-smi -q, lscpu, numactl -H where
+# present, the versions of torch, Triton, numpy, safetensors and pytest). Each step runs under its own time budget,
+# derived from the compile census (vllm_expert_offload/tools/gpu_check_budget.py: the step's own seconds plus the Triton
+# variants it compiles, each at its measured compile time times the decode copies its tables hold, printed with its
+# source before the first step, with the whole run's), all inside GPU_CHECK_TOTAL_S (470 s). The essentials first: the
+# GPU tests (mapped arena, pointer tables, host tier, the Triton MoE against the torch reference, CUDA-graph replay,
+# ...) side by side, each its own pytest (their compiles spread over the 16 cores; the every-rate check in lanes of two
+# Ks), then the benchmarks alone.
 # A step (or side-by-side group) whose budget does not fit the time left is not started (a step killed mid-compile
-# measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are bound by their own seconds,
-# 4 times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as soon as it ends (with the tail of
-# its output when it fails), the probe's and the benchmark's rows to probe.jsonl and bench.jsonl as they are measured,
-# everything printed to gpu-check.log, the side-by-side steps' own logs (NN-step.log) to lanes.tar.gz as each group
-# ends. Those six files are all RESULTS_DIR holds (the device tool sends back at most 8 files); scratch (the logs as
-# they come, exllamav3's autotune caches) lives outside it and is never sent back. Cut short by its bound, the run
-# records the steps then running as failed, packs their logs so far and fails. Exit status: 0 when every step that
-# could run passed (the engine steps are skipped without vLLM), 1 when one failed or was not reached, 2 at once
-# without a CUDA device (a run on the wrong machine is never a pass). --dry-run walks the same steps on a machine
-# without CUDA, each CUDA part stubbed (GPU tests collected, not run; probe and benchmark at tiny sizes in Triton's
-# interpreter): the plumbing, as tests/tools/test_gpu_check.py runs it.
+# measures nothing) and fails the run. A dry run's stubs compile nothing: its steps are bound by their own seconds, 4
+# times each. Every step's result is appended to RESULTS_DIR/gpu-check.jsonl as soon as it ends (with the tail of its
+# output when it fails), the probe's and the benchmark's rows to probe.jsonl and bench.jsonl as they are measured,
+# everything printed to gpu-check.log, the side-by-side steps' own logs (NN-step.log, the background build's too) to
+# lanes.tar.gz as each group ends. Those six files are all RESULTS_DIR holds (the device tool sends back at most 8
+# files); scratch (the logs as they come, exllamav3's autotune caches) lives outside it and is never sent back. Cut
+# short by its bound, the run stops every step then running (each step's whole process group), records them as failed,
+# packs their logs so far and fails. Exit status: 0 when every step that could run passed (the engine steps are skipped
+# without vLLM), 1 when one failed or was not reached, 2 at once without a CUDA device (a run on the wrong machine is
+# never a pass). --dry-run walks the same steps on a machine without CUDA, each CUDA part stubbed (GPU tests collected,
+# not run; probe and benchmark at tiny sizes in Triton's interpreter): the plumbing, as tests/tools/test_gpu_check.py
+# runs it.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # absolute: the bounded re-exec below runs after the cd
 cd "$(dirname "$SELF")/.."
@@ -94,7 +96,7 @@ mkdir -p "$EXLLAMAV3_TUNE_CACHE"
 
 failed=()
 skipped=()
-declare -A RUN_S BUDGET_S SOURCE
+declare -A RUN_S BUDGET_S SOURCE WAITS
 PLANNED=()  # the planned steps' names, in order
 if ! plan=$("$PY" -m vllm_expert_offload.tools.gpu_check_budget); then
     echo "gpu-check: the step budgets could not be derived (vllm_expert_offload.tools.gpu_check_budget failed)" >&2
@@ -102,14 +104,18 @@ if ! plan=$("$PY" -m vllm_expert_offload.tools.gpu_check_budget); then
     exit 1
 fi
 echo "== step budgets (compile census; a dry run bounds each step by its own seconds x $SLACK)"
-while IFS=$'\t' read -r key run budget source beside; do
+while IFS=$'\t' read -r key run budget source beside waits back; do  # "-": an empty field
     if [ "$key" = "whole run" ]; then
         echo "   whole run: $budget s = $source (this run's bound: $TOTAL_S s)"
         continue
     fi
     RUN_S["$key"]=$run BUDGET_S["$key"]=$budget SOURCE["$key"]=$source
+    [ "$waits" = - ] || WAITS["$key"]=$waits
     PLANNED+=("$key")
-    echo "   $key: $budget s = $source${beside:+ [beside the other $beside]}"
+    where=""
+    [ "$beside" = - ] || where="beside the other $beside${WAITS[$key]:+, after $waits}"
+    [ "$back" = - ] || where="in the background, beside the steps after it"
+    echo "   $key: $budget s = $source${where:+ [$where]}"
 done <<< "$plan"
 budget_of() {  # budget_of NAME: KEY and BUDGET of the step NAME starts with (1 when it has none)
     for KEY in "${!BUDGET_S[@]}"; do
@@ -131,12 +137,12 @@ fits() {  # fits NAME BUDGET SOURCE: whether BUDGET fits the time left; if not, 
         return 1
     fi
 }
-record() {  # record NAME LIMIT RC SECONDS LOG: the result of a step that ran
+record() {  # record NAME LIMIT RC SECONDS LOG [WHY]: the result of a step that ran (or, with WHY, did not)
     if [ "$3" -eq 0 ]; then
         emit step="$1" status=passed seconds="$4" dry_run="$DRY"
     else
-        local why="exit $3"
-        [ "$3" -eq 124 ] || [ "$3" -eq 137 ] && why="timed out after $2 s"
+        local why="${6:-exit $3}"
+        [ -z "${6:-}" ] && { [ "$3" -eq 124 ] || [ "$3" -eq 137 ]; } && why="timed out after $2 s"
         failed+=("$1 ($why)")
         emit step="$1" status=failed seconds="$4" dry_run="$DRY" reason="$why" tail="$(tail -c 3000 "$5")"
     fi
@@ -147,25 +153,79 @@ step() {  # step NAME COMMAND...: run within NAME's budget, record the result, g
     budget_of "$name" || return 0
     fits "$name" "$BUDGET" "${SOURCE[$KEY]}" || return 0
     echo "== $name (at most $BUDGET s: ${SOURCE[$KEY]})"
-    local log="$SCRATCH/step.log" start rc
+    local log="$SCRATCH/step.log" rc seconds
+    rm -f "$log.rc" "$log.pid"  # the previous step's
     IN_FLIGHT=("$name") IN_FLIGHT_LOGS=("$log") IN_FLIGHT_LIMIT=$BUDGET
-    start=$(date +%s)
-    timeout --kill-after=5 "$BUDGET" "$@" 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
+    { limited "$log" "$BUDGET" "$@" 2>&1 | tee "$log"; } &
+    wait $!  # not in the foreground: the run's bound (TERM) interrupts the wait, and cut_short stops the step
     IN_FLIGHT=()
-    record "$name" "$BUDGET" "$rc" $(( $(date +%s) - start )) "$log"
+    read -r rc seconds < "$log.rc" || rc=255 seconds=0
+    record "$name" "$BUDGET" "$rc" "$seconds" "$log"
     return 0
+}
+limited() {  # limited LOG LIMIT COMMAND...: COMMAND within LIMIT seconds; `timeout` runs it in a process group of its
+    # own, which the run's bound does not reach: its id goes to LOG.pid for cut_short, "STATUS SECONDS" to LOG.rc
+    local start=$(date +%s)
+    timeout --kill-after=5 "$2" "${@:3}" &
+    echo $! > "$1.pid"
+    wait $!
+    echo "$? $(( $(date +%s) - start ))" > "$1.rc"
+}
+lane_log() {  # lane_log KEY: LOG, the next side-by-side or background step's log (NN-key.log, packed in lanes.tar.gz)
+    LANE=$(( LANE + 1 ))
+    LOG=$(printf '%02d-%s' "$LANE" "$(tr -cs 'A-Za-z0-9' '-' <<< "$1")")
+    LOG="$SCRATCH/lanes/${LOG%-}.log"
+    : > "$LOG"  # there from the start: a step cut short before its shell ran has its (empty) log packed
+}
+declare -A BG_NAME BG_LOG BG_LIMIT BG_END  # the background steps not yet reaped, by plan: name, log, bound, its end
+background() {  # background NAME COMMAND...: start NAME now within its budget, beside the steps after it (see reap)
+    local name="$1" KEY BUDGET LOG
+    shift
+    budget_of "$name" || return 0
+    fits "$name" "$BUDGET" "${SOURCE[$KEY]}" || return 0
+    echo "== $name (in the background, at most $BUDGET s: ${SOURCE[$KEY]})"
+    lane_log "$KEY"
+    limited "$LOG" "$BUDGET" "$@" > "$LOG" 2>&1 &
+    BG_NAME[$KEY]=$name BG_LOG[$KEY]=$LOG BG_LIMIT[$KEY]=$BUDGET
+    BG_END[$KEY]=$(( $(date +%s) + BUDGET + 5 ))  # + timeout's kill-after
+}
+await() {  # await KEY LIMIT: in a waiting step's shell, wait (at most LIMIT s) for the background step KEY to end;
+    # fails, saying why, unless it passed
+    local log="${BG_LOG[$1]:-}" start=$(date +%s) rc=""
+    [ -n "$log" ] || { echo "not run: $1 did not start"; return 1; }
+    until [ -s "$log.rc" ] || [ "$(date +%s)" -ge $(( start + $2 )) ]; do sleep 0.2; done
+    read -r rc _ < "$log.rc" 2>/dev/null
+    [ "$rc" = 0 ] || { echo "not run: $1 $([ -n "$rc" ] && echo "failed (exit $rc)" || echo "did not end")"; return 1; }
+    echo "== $1 has ended (waited $(( $(date +%s) - start )) s): this step starts"
+}
+reap() {  # reap: record the background steps (waiting for those still running) and pack their logs
+    local key rc seconds
+    for key in "${!BG_LOG[@]}"; do
+        until [ -s "${BG_LOG[$key]}.rc" ] || [ "$(date +%s)" -ge "${BG_END[$key]}" ]; do sleep 0.2; done
+        echo "== ${BG_NAME[$key]}: output (${BG_LOG[$key]##*/} in $LANES)"
+        tail -c 262144 "${BG_LOG[$key]}"
+        rc=255 seconds=0
+        read -r rc seconds < "${BG_LOG[$key]}.rc" 2>/dev/null || rc=255
+        record "${BG_NAME[$key]}" "${BG_LIMIT[$key]}" "$rc" "$seconds" "${BG_LOG[$key]}"
+        unset "BG_NAME[$key]" "BG_LOG[$key]" "BG_LIMIT[$key]" "BG_END[$key]"
+    done
+    pack_lanes
 }
 BESIDE=()  # the queued side-by-side steps: NAME, then its command quoted for eval
 beside() {  # beside NAME COMMAND...: queue NAME to start with the others queued (together runs them)
     BESIDE+=("$1" "$(printf '%q ' "${@:2}")")
 }
-together() {  # together: start the queued steps at once, each within its budget; record each, in queued order
-    local names=() keys=() budgets=() cmds=() pids=() logs=() longest=0 i KEY BUDGET rc seconds
+together() {  # together: start the queued steps at once, each within its budget (a step that waits for a background
+    # step: after it ends); record each, in queued order
+    local names=() keys=() budgets=() cmds=() pids=() logs=() longest=0 i KEY BUDGET LOG rc seconds why need w
     for (( i = 0; i < ${#BESIDE[@]}; i += 2 )); do
         budget_of "${BESIDE[i]}" || continue
         names+=("${BESIDE[i]}") keys+=("$KEY") budgets+=("$BUDGET") cmds+=("${BESIDE[i + 1]}")
-        [ "$BUDGET" -gt "$longest" ] && longest=$BUDGET
+        need=$BUDGET w=${WAITS[$KEY]:-}
+        if [ -n "$w" ] && [ -n "${BG_END[$w]:-}" ] && [ ! -s "${BG_LOG[$w]}.rc" ]; then
+            need=$(( BUDGET + BG_END[$w] - $(date +%s) ))  # what is left of the background step's bound, first
+        fi
+        [ "$need" -gt "$longest" ] && longest=$need
     done
     BESIDE=()
     [ "${#names[@]}" -gt 0 ] || return 0
@@ -182,20 +242,24 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         return 0
     fi
     for i in "${!names[@]}"; do  # each step's output as it comes, NN-name.log in lanes.tar.gz
-        LANE=$(( LANE + 1 ))
-        logs[i]=$(printf '%02d-%s' "$LANE" "$(tr -cs 'A-Za-z0-9' '-' <<< "${keys[i]}")")
-        logs[i]="$SCRATCH/lanes/${logs[i]%-}.log"
-        : > "${logs[i]}"  # there from the start: a step cut short before its shell ran has its (empty) log packed
+        lane_log "${keys[i]}"
+        logs[i]=$LOG
     done
     IN_FLIGHT=("${names[@]}") IN_FLIGHT_LOGS=("${logs[@]}") IN_FLIGHT_LIMIT=$longest
     for i in "${!names[@]}"; do
         echo "== ${names[i]} (at most ${budgets[i]} s, beside the others: ${SOURCE[${keys[i]}]})"
-        ( start=$(date +%s)
-          # one autotune cache per step (exllamav3 writes its file in place); one Inductor compile worker each
+        ( # one autotune cache per step (exllamav3 writes its file in place); one Inductor compile worker each
           export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/$(basename "${logs[i]}" .log)" TORCHINDUCTOR_COMPILE_THREADS=1
           mkdir -p "$EXLLAMAV3_TUNE_CACHE"
-          eval "timeout --kill-after=5 ${budgets[i]} ${cmds[i]}" > "${logs[i]}" 2>&1
-          echo "$? $(( $(date +%s) - start ))" > "${logs[i]}.rc" ) &
+          limit=${budgets[i]} w=${WAITS[${keys[i]}]:-}
+          if [ -n "$w" ]; then  # its bound is what is left of the group's once the background step has ended
+              start=$(date +%s)
+              why=$(await "$w" "$limit") || { echo "$why" > "${logs[i]}"; echo "1 0 $why" > "${logs[i]}.rc"; exit; }
+              echo "$why" > "${logs[i]}"
+              limit=$(( limit - $(date +%s) + start ))
+              [ "$limit" -gt 0 ] || limit=1  # (`timeout 0` would not bound it at all)
+          fi
+          eval "limited \"\${logs[i]}\" $limit ${cmds[i]}" >> "${logs[i]}" 2>&1 ) &
         pids+=($!)
     done
     wait "${pids[@]}"
@@ -206,29 +270,42 @@ steps of up to ${longest} s, ${left} s left of the run's ${TOTAL_S} s"
         # at most its last 256 KiB here: the device tool drops a file over 16 MiB, this log with it
         [ "$(stat -c %s "${logs[i]}")" -le 262144 ] || echo "[... its start: in $LANES]"
         tail -c 262144 "${logs[i]}"
-        rc=255 seconds=0  # a step whose shell died before writing its status failed (not: the previous one's)
-        read -r rc seconds < "${logs[i]}.rc" 2>/dev/null || rc=255
-        record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "${logs[i]}"
+        rc=255 seconds=0 why=""  # a step whose shell died before writing its status failed (not: the previous one's)
+        read -r rc seconds why < "${logs[i]}.rc" 2>/dev/null || rc=255
+        record "${names[i]}" "${budgets[i]}" "$rc" "$seconds" "${logs[i]}" "$why"
         rm -f "${logs[i]}.rc"
     done
 }
 pack_lanes() {  # pack_lanes: the side-by-side steps' logs so far into lanes.tar.gz, replaced by a rename in its own
     # folder (never torn; SIGKILL mid-tar leaves at most lanes.tar.gz.part beside it, a 7th file)
-    tar -czf "$LANES.part" -C "$SCRATCH" --exclude='*.rc' lanes && mv -f "$LANES.part" "$LANES"
+    tar -czf "$LANES.part" -C "$SCRATCH" --exclude='*.rc' --exclude='*.pid' lanes && mv -f "$LANES.part" "$LANES"
 }
-cut_short() {  # on the run's bound: `timeout` signals the whole process group, this script, its steps, the log's tee
+stop() {  # stop SIGNAL LOG...: signal the process group of each step (of LOG) still running
+    local log
+    for log in "${@:2}"; do
+        [ -s "$log.pid" ] && [ ! -s "$log.rc" ] && kill -"$1" -- -"$(< "$log.pid")" 2> /dev/null
+    done
+    return 0
+}
+cut_short() {  # on the run's bound: `timeout` signals the whole process group, this script, its steps' shells, the
+    # log's tee; not the steps' own process groups (each step's `timeout` makes one): stop signals those
     trap '' TERM INT PIPE
     exec >> "$RESULTS_DIR/gpu-check.log" 2>&1  # the tee is gone: straight to the log
-    local i rc seconds
+    local i rc seconds why key names=("${IN_FLIGHT[@]}") logs=("${IN_FLIGHT_LOGS[@]}") limits=()
+    for i in "${!IN_FLIGHT[@]}"; do limits+=("$IN_FLIGHT_LIMIT"); done
+    for key in "${!BG_LOG[@]}"; do  # the background steps not yet recorded
+        names+=("${BG_NAME[$key]}") logs+=("${BG_LOG[$key]}") limits+=("${BG_LIMIT[$key]}")
+    done
+    stop TERM "${logs[@]}"
     HELD=()
-    for i in "${!IN_FLIGHT[@]}"; do
-        if read -r rc seconds < "${IN_FLIGHT_LOGS[i]}.rc" 2>/dev/null; then  # a side-by-side step that had ended
-            record "${IN_FLIGHT[i]}" "$IN_FLIGHT_LIMIT" "$rc" "$seconds" "${IN_FLIGHT_LOGS[i]}"
+    for i in "${!names[@]}"; do
+        if read -r rc seconds why < "${logs[i]}.rc" 2>/dev/null; then  # a step that had ended
+            record "${names[i]}" "${limits[i]}" "$rc" "$seconds" "${logs[i]}" "$why"
             continue
         fi
-        failed+=("${IN_FLIGHT[i]} (cut short)")
-        emit step="${IN_FLIGHT[i]}" status=failed dry_run="$DRY" \
-            reason="cut short: the run's bound of $TOTAL_S s was reached" tail="$(tail -c 3000 "${IN_FLIGHT_LOGS[i]}")"
+        failed+=("${names[i]} (cut short)")
+        emit step="${names[i]}" status=failed dry_run="$DRY" \
+            reason="cut short: the run's bound of $TOTAL_S s was reached" tail="$(tail -c 3000 "${logs[i]}")"
     done
     pack_lanes
     emit step=summary status=failed dry_run="$DRY" failed="${failed[*]:-} (the run was cut short)" \
@@ -237,6 +314,7 @@ cut_short() {  # on the run's bound: `timeout` signals the whole process group, 
     unset HELD
     emit "${rows[@]}"
     echo "gpu-check: FAILED: cut short by the run's bound ($TOTAL_S s): ${failed[*]:-}"
+    stop KILL "${logs[@]}"  # what TERM left running
     exit 1
 }
 IN_FLIGHT=() IN_FLIGHT_LOGS=() IN_FLIGHT_LIMIT=0  # the steps running now, their logs and bound: see cut_short
@@ -292,6 +370,13 @@ for name in ("torch", "triton", "numpy", "safetensors", "pytest"):
 }
 export -f machine_facts
 export DRY PY
+# First, in the background: the CPU tier's extension (g++, about 100 s on one core), which the GPU tests of the CPU tier
+# load; built at their first use, it would be unpriced and could be killed mid-compile by their bound. They wait for it
+# (gpu_check_budget: waits_for). A dry run only checks that it could build here, after a stand-in for the build's time
+# (long enough that the waiting step usually does wait).
+pick "$PY" -m vllm_expert_offload.tools.cpu_kernel_build \
+    -- bash -c 'sleep 20 && "$0" -m vllm_expert_offload.tools.cpu_kernel_build --check' "$PY"
+background "CPU tier's extension: built ahead of its first use (tools/cpu_kernel_build.py)" "${CMD[@]}"
 step machine bash -o pipefail -c 'machine_facts | tee "$1"' machine "$RESULTS_DIR/machine.txt"
 step versions "$PY" -c "
 import sys, torch, triton
@@ -308,8 +393,10 @@ else:
 beside "imports without vLLM" "${PYTEST[@]}" tests/tools/test_gpu_check_imports.py
 beside topology "$PY" -m vllm_expert_offload.cli topology
 TRITON=tests/kernels/test_triton_gpu.py COMPILED=tests/kernels/test_compiled_gpu.py
-gpu_tests "mapped host memory: arena (UVA), pointer tables over PCIe, the CPU tier's jobs and graph replay" \
-    tests/memory/test_arena.py tests/kernels/test_pointer_tables.py tests/kernels/test_stream_host_tier.py
+gpu_tests "mapped host memory: arena (UVA), pointer tables over PCIe" tests/memory/test_arena.py \
+    tests/kernels/test_pointer_tables.py
+gpu_tests "CPU tier on the GPU: its jobs in stream order, graph replay (after its extension's build)" \
+    tests/kernels/test_stream_host_tier.py
 gpu_tests "Triton MoE vs torch reference (fused and glue, host tier over PCIe) and CUDA-graph replay" \
     "$TRITON::test_compiled_moe_matches_reference_with_host_tier_over_pcie" "$TRITON::test_cuda_graph_replay_equals_eager"
 gpu_tests "Triton prefill (decode-once, grouped GEMMs) vs torch reference" \
@@ -328,6 +415,7 @@ gpu_tests "compiled exllamav3 forwards (torch.compile reduce-overhead) vs eager"
     "$COMPILED::test_exllamav3_moe_op_compiled_with_graphs_equals_eager" \
     "$COMPILED::test_exllamav3_linear_op_compiled_with_graphs_equals_eager"
 together
+reap  # the background steps, done before the benchmarks start
 # Then the benchmarks, alone on the machine: how fast kernels read host-tier experts over PCIe against the copy
 # engine and HBM.
 pick "$PY" benchmarks/gpu_bandwidth_probe.py --out "$RESULTS_DIR/probe.jsonl" \

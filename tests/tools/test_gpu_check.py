@@ -24,11 +24,12 @@ from vllm_expert_offload.tools import gpu_check_budget
 
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 # The essentials first (arena, tables, host tier, the Triton MoE against the torch reference, graph replay: side by
-# side), the benchmarks after them, alone.
-STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory",
+# side), the benchmarks after them, alone. The CPU tier's extension is built from the start, in the background, and
+# recorded once the side-by-side steps have ended.
+STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory", "CPU tier on the GPU",
          "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates",
          *(f"Triton every rate {lane}: " for lane in ("k1-1.5", "k2-2.5", "k3-3.5", "k4-5", "k6-7", "k8")),
-         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards",
+         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "CPU tier's extension",
          "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
@@ -100,10 +101,15 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
         ["gpu-check.jsonl", "gpu-check.log", "machine.txt", "probe.jsonl", "bench.jsonl", "lanes.tar.gz"])
     beside = [r for r in steps if any(r["step"].startswith(plan.name) for plan in gpu_check_budget.STEPS
                                       if plan.beside)]
-    logs = _lane_logs(out)
-    assert len(logs) == len(beside) >= 5 and sorted(logs)[2].startswith("03-mapped-host-memory"), sorted(logs)
+    logs = _lane_logs(out)  # the background step's first, then the side-by-side steps'
+    names = sorted(logs)
+    assert len(logs) == len(beside) + 1 >= 6 and names[3].startswith("04-mapped-host-memory"), names
     assert all(re.fullmatch(r"\d\d-[A-Za-z0-9-]+\.log", name) for name in logs)
-    assert "test_arena.py" in logs[sorted(logs)[2]]
+    assert "test_arena.py" in logs[names[3]]
+    # The CPU tier's tests started once its extension's build (here its --check, after a stand-in delay) had ended.
+    assert names[0] == "01-CPU-tier-s-extension.log" and "vllm_expert_offload_exl3_cpu: " in logs[names[0]]
+    assert re.match(r"== CPU tier's extension has ended \(waited \d+ s\): this step starts\n", logs[names[4]])
+    assert "test_stream_host_tier.py" in logs[names[4]]
     machine = (out / "machine.txt").read_text()
     assert "dry run: nvidia-smi not queried" in machine and "Architecture" in machine  # lscpu's
     assert re.search(r"^torch \d", machine, re.M) and re.search(r"^pytest \d", machine, re.M)
@@ -114,17 +120,41 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
     assert_the_whole_run_fits_one_command(budgets)
 
 
+def test_a_failed_extension_build_fails_the_run_and_leaves_out_only_the_cpu_tier_lane(tmp_path: Path) -> None:
+    """Without a compiler the CPU tier's extension is refused, saying why; the lane that waits for it is not run (it
+    would compile it at first use, unpriced), and every other step runs and passes."""
+    out = tmp_path / "results"
+    env = _env(tmp_path, CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    result, _ = _run(["--dry-run", str(out)], env, timeout=2000)
+    assert result.returncode == 1, result.stdout[-4000:]
+    rows = {r["step"].split(":")[0]: r for r in _rows(out / "gpu-check.jsonl")}
+    build, lane = rows["CPU tier's extension"], rows["CPU tier on the GPU"]
+    assert build["status"] == "failed" and "missing a C++ compiler ('/nonexistent/c++'" in build["tail"]
+    assert (lane["status"], lane["reason"]) == ("failed", "not run: CPU tier's extension failed (exit 1)")
+    others = [r for name, r in rows.items() if name not in {"CPU tier's extension", "CPU tier on the GPU", "summary"}]
+    assert all(r["status"] in ("passed", "skipped") for r in others) and len(others) == len(STEPS) - 3
+    assert_what_comes_back_whole(out)
+
+
 def assert_the_whole_run_fits_one_command(budgets: str) -> None:
     """The lent machine's run, as the dry run prints its budgets: every step that runs there (no vLLM: not the
     engine's), a side-by-side group as long as its longest, and the machine's start, inside one command with margin;
     no step of the GPU tests may need more than the command's bound on its own."""
     steps = dict(re.findall(r"^   (.+?): (\d+) s = ", budgets, re.M))
-    beside = set(re.findall(r"^   (.+?): \d+ s = .*\[beside the other GPU tests\]$", budgets, re.M))
-    assert len(beside) >= 5 and {"mapped host memory", "Triton MoE vs torch reference"} <= beside
+    # name: the background step it waits for, if any
+    beside = dict(re.findall(r"^   (.+?): \d+ s = .*\[beside the other GPU tests(?:, after (.+))?\]$", budgets, re.M))
+    background = re.findall(r"^   (.+?): \d+ s = .*\[in the background, beside the steps after it\]$", budgets, re.M)
+    assert len(beside) >= 5 and {"mapped host memory", "Triton MoE vs torch reference"} <= beside.keys()
     assert list(steps).index("mapped host memory") < list(steps).index("bandwidth probe")
+    assert background == [list(steps)[0]] and beside["CPU tier on the GPU"] == background[0]  # started first
     engine = set(gpu_check_budget.ENGINE_STEPS)
-    run = sum(int(s) for name, s in steps.items() if name not in beside | engine | {"whole run"})
-    run += max(int(steps[name]) for name in beside)
+    alone = [name for name in steps if name not in {*beside, *background, *engine, "whole run"}]
+    first = min(list(steps).index(name) for name in beside)
+    before = sum(int(steps[name]) for name in alone if list(steps).index(name) < first)
+    run = sum(int(steps[name]) for name in alone)  # and the group, where a waiting step starts at the build's end
+    run += max(max(0, int(steps[waited]) - before) + int(steps[name]) if waited else int(steps[name])
+               for name, waited in beside.items())
+    assert run >= int(steps[background[0]])
     start = gpu_check_budget.MACHINE_START_S
     assert start >= 60 and run + start <= 480, budgets
     assert int(steps["whole run"]) == run + start, budgets  # the script prints what it runs under
@@ -149,7 +179,8 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
     env = _env(tmp_path, GPU_CHECK_TOTAL_S=str(total_s), GPU_CHECK_DRY_SLACK="1")
     result, seconds = _run(["--dry-run", str(out)], env, timeout=300)
     assert result.returncode == 1 and seconds < total_s + 15
-    steps = _rows(out / "gpu-check.jsonl")
+    build, *steps = _rows(out / "gpu-check.jsonl")  # the CPU tier's extension (110 s) does not fit either
+    assert build["step"].startswith("CPU tier's extension") and build["reason"].startswith("not run: needs 110 s")
     assert steps[0]["step"] == "machine" and steps[0]["status"] == "passed" and steps[0]["seconds"] <= 2
     unreached = [r for r in steps if r.get("reason", "").startswith(("not run", "timed out"))]
     assert unreached and all(r["status"] == "failed" and re.match(r"not run: needs \d+ s \(run \d+ s", r["reason"])
@@ -163,10 +194,15 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
 def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_path: Path) -> None:
     """At the run's bound `timeout` signals the script's whole process group, the log's tee included, mid side-by-side
     group: the steps then running fail as cut short (the tail of their output kept), their logs so far are packed
-    into lanes.tar.gz, the summary fails the run, and RESULTS_DIR still holds what the device tool sends back."""
+    into lanes.tar.gz, the summary fails the run, and RESULTS_DIR still holds what the device tool sends back. Each
+    step's `timeout` runs it in a process group of its own, out of the signal's reach: the run stops those too, so no
+    step (pytest, the background build) outlives it."""
     out = tmp_path / "results"
     log = out / "gpu-check.log"
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run", str(out)], env=_env(tmp_path), text=True,
+    scratch = tmp_path / "scratch"  # every process of the run has it as TMPDIR
+    scratch.mkdir()
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run", str(out)], env=_env(tmp_path, TMPDIR=str(scratch)),
+                            text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -175,6 +211,8 @@ def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_pat
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does at the bound
         assert proc.wait(timeout=30) == 1
+        time.sleep(2)  # killed processes leave /proc when reaped (the steps themselves run for seconds more)
+        assert _processes_with(f"TMPDIR={scratch}") == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -182,11 +220,24 @@ def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_pat
     steps = _rows(out / "gpu-check.jsonl")
     cut = [r for r in steps if r.get("reason", "").startswith("cut short")]
     assert cut and all(r["status"] == "failed" and "tail" in r for r in cut)
+    assert any(r["step"].startswith("CPU tier's extension") for r in steps)  # cut short, or recorded as it ended
     assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed" and "cut short" in steps[-1]["failed"]
     logs = _lane_logs(out)
-    assert len(logs) == len([plan for plan in gpu_check_budget.STEPS if plan.beside]) >= len(cut)
+    assert len(logs) == len([plan for plan in gpu_check_budget.STEPS if plan.beside or plan.background]) >= len(cut)
     assert any(name.endswith("compiled-exllamav3-forwards.log") for name in logs)
     assert "cut short by the run's bound" in log.read_text()
+
+
+def _processes_with(variable: str) -> list[str]:
+    """The command lines of this user's processes whose environment holds `variable` (NAME=VALUE)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone, or another user's
+            continue
+    return found
 
 
 def _gpu_test_module(name: str):

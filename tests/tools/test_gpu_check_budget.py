@@ -8,14 +8,18 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from vllm_expert_offload.tools.compile_census import CensusLayer
 from vllm_expert_offload.tools.gpu_check_budget import (
     CODEBOOK_COPY,
+    CPU_KERNEL_STEP,
     COMPILE_S,
     PRICED_WITH,
     RATE_COPY,
     STEPS,
     TESTS_LAYER,
+    Budget,
     StepPlan,
     budgets,
     decode_copies,
@@ -43,7 +47,7 @@ MEASURED_VARIANT_S = {("moe_gate_up_kernel", 3, 1): 24.4, ("moe_down_kernel", 3,
 
 
 def _compile_s(plans: tuple[StepPlan, ...]) -> list[int]:
-    return [seconds - run for _, run, seconds, _, _ in budgets(plans)]
+    return [row.seconds - row.run_s for row in budgets(plans)]
 
 
 def test_a_step_pays_for_the_variants_it_compiles_per_decode_copy_held() -> None:
@@ -100,6 +104,35 @@ def test_side_by_side_steps_compile_for_themselves_and_last_as_their_longest() -
     assert run_seconds(plan, skip=("c",)) == 3 + plan[2][2]
 
 
+def test_a_background_step_runs_beside_what_follows_and_a_step_waiting_for_it_starts_when_it_ends() -> None:
+    """The CPU tier's extension is built in the background from the start; the steps after it start at once, the one
+    that waits for it starts its own work (and bound) when it has ended, whichever is later, and the run lasts at
+    least as long as the background step (every step at its whole budget: one ending early ends nothing later)."""
+    build = StepPlan("build", 50, background=True)
+    plan = budgets((build, StepPlan("s", 10), StepPlan("a", 20, beside="g"),
+                    StepPlan("w", 15, beside="g", waits_for="build"), StepPlan("after", 5)))
+    assert [row.seconds for row in plan] == [50, 10, 20, 15, 5]  # a waiting step's budget is its own work's
+    assert run_seconds(plan, skip=()) == 50 + 15 + 5  # w starts at the build's end, after a's group has ended
+    early = budgets((StepPlan("build", 5, background=True), StepPlan("s", 10),
+                     StepPlan("w", 15, beside="g", waits_for="build")))
+    assert run_seconds(early, skip=()) == 10 + 15  # the build had ended when the group started
+    assert run_seconds(budgets((StepPlan("build", 100, background=True), StepPlan("s", 10))), skip=()) == 100
+    with pytest.raises(ValueError):  # only a background step can be waited for
+        run_seconds(budgets((StepPlan("s", 10), StepPlan("w", 15, beside="g", waits_for="s"))), skip=())
+
+
+def test_the_cpu_tier_tests_wait_for_its_extension_built_first_in_the_background() -> None:
+    """No GPU test compiles the CPU tier's extension at first use (unpriced, killed mid-compile by its bound): the
+    extension's build is the first step, in the background, and the lane of the tests that load it waits for it."""
+    assert STEPS[0] == StepPlan(CPU_KERNEL_STEP, STEPS[0].run_s, background=True)
+    waiting = [step for step in STEPS if step.waits_for]
+    assert [(step.name, step.waits_for) for step in waiting] == [("CPU tier on the GPU", CPU_KERNEL_STEP)]
+    script = (REPO / "scripts" / "gpu-check.sh").read_text()
+    lane = re.search(r'^gpu_tests "CPU tier on the GPU[^"]*" \\\n\s+(.+)$', script, re.M).group(1).split()
+    assert lane == ["tests/kernels/test_stream_host_tier.py"]  # the only GPU tests that build a CpuMoE
+    assert "from vllm_expert_offload.kernels.cpu_moe import" in (REPO / lane[0]).read_text()
+
+
 def test_every_step_of_the_script_has_a_plan() -> None:
     """Each `step "NAME"` of gpu-check.sh (run alone), `beside`/`gpu_tests "NAME"` (side by side), each plan a
     `lanes "PREFIX"` queues (one per plan named PREFIX + its lane) and each engine step begins with exactly one plan's
@@ -108,7 +141,8 @@ def test_every_step_of_the_script_has_a_plan() -> None:
     script = (REPO / "scripts" / "gpu-check.sh").read_text()
     engine = re.search(r"ENGINE_STEPS=\(\"([^\"]+)\"\s+\"([^\"]+)\"\)", script).groups()
     names = []
-    for verb, quoted, bare in re.findall(r'^\s*(?:step|beside|gpu_tests|(lanes)) (?:"([^"]+)"|(\S+)) ', script, re.M):
+    verbs = r"^\s*(?:step|background|beside|gpu_tests|(lanes))"
+    for verb, quoted, bare in re.findall(verbs + r' (?:"([^"]+)"|(\S+)) ', script, re.M):
         name = quoted or bare
         index = re.fullmatch(r"\$\{ENGINE_STEPS\[(\d)\]\}", name)
         if name.startswith("$") and not index:  # gpu_tests and lanes passing their arguments on
@@ -128,7 +162,7 @@ def test_every_step_of_the_script_has_a_plan() -> None:
 
 def test_a_step_that_compiles_nothing_is_its_own_seconds() -> None:
     rows = budgets((StepPlan("x", 3, ((UNIFORM, (1,)),)), StepPlan("y", 2)))
-    assert rows[1] == ("y", 2, 2, "run 2 s", "") and rows[0][2] > rows[0][1] and "census" in rows[0][3]
+    assert rows[1] == Budget("y", 2, 2, "run 2 s") and rows[0][2] > rows[0][1] and "census" in rows[0][3]
 
 
 def test_prices_name_their_toolchain_and_warn_on_another() -> None:

@@ -7,7 +7,9 @@ backend's real forwards on meta tensors, every launch keyed as Triton's JIT keys
 measured ahead-of-time compile seconds for sm_90 times the decode copies its tables hold (`decode_copies`: a mixed
 table compiles the states of each rate present and a codebook branch per codebook present, kernels/triton_decode.py).
 Triton keeps compiled kernels on disk, so a variant an earlier step compiled costs a later step nothing: the steps
-are priced in the order the script runs them.
+are priced in the order the script runs them. A step the script starts in the background (the CPU tier's extension,
+built ahead of its first use: tools/cpu_kernel_build.py) runs beside the steps that follow; a step that waits for it
+starts its own work, and its budget, when that one has ended.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..kernels.matrix_table import present_values
 from .compile_census import LAYERS, CensusLayer, layer_variants
@@ -44,13 +47,29 @@ class StepPlan:
     are compiled, the MoE layers it builds with the token counts it runs them at, and the variants it launches
     outside a MoE forward: (kernel, rates its table holds, codebooks it holds, variants). Steps of one `beside`
     group run side by side (the script starts them together): each compiles what it launches itself, the group takes
-    its longest step."""
+    its longest step. A `background` step starts where it stands and the steps after it start at once, beside it;
+    a step that `waits_for` one starts its own work when that one has ended."""
 
     name: str
     run_s: int
     layers: tuple[tuple[CensusLayer, tuple[int, ...]], ...] = ()
     direct: tuple[tuple[str, int, int, int], ...] = ()
     beside: str = ""
+    background: bool = False
+    waits_for: str = ""
+
+
+class Budget(NamedTuple):
+    """A step's row of the plan: its name, own seconds, budget seconds, where the budget comes from, its side-by-side
+    group, whether it runs in the background, and the background step it waits for."""
+
+    name: str
+    run_s: int
+    seconds: int
+    source: str
+    beside: str = ""
+    background: bool = False
+    waits_for: str = ""
 
 
 # The GPU tests' layers (tests/support/moe_layers.py: six experts, fp32, top-2, 128 x 256): UNIFORM wherever a test is
@@ -71,8 +90,14 @@ EVERY_RATE_STEP = "Triton every rate "  # + the lane: the step's name, as gpu-ch
 # A lent machine's whole run: one command of at most 600 s, with margin; the device time of its start counts too.
 RUN_LIMIT_S = 480
 MACHINE_START_S = 120  # "a minute or more" (the device README), twice; the command's own bound is GPU_CHECK_TOTAL_S
+# The CPU tier's extension (kernels/cpu_exl3.py: one C++ unit, three ISA copies, g++ -O3 on one core), built by
+# tools/cpu_kernel_build.py on this project's 2-core CI machine: 98 s (12-03), 72.2 s (12-04, 74 s wall with the
+# interpreter's start); priced with the slower's margin.
+CPU_KERNEL_STEP = "CPU tier's extension"
 
 STEPS = (
+    # First, in the background: the GPU tests of the CPU tier wait for it instead of compiling it at first use.
+    StepPlan(CPU_KERNEL_STEP, 110, background=True),
     # Measured in a dry run on the 2-core CI machine: machine 1 s, versions 2 s, imports 13 s, topology 3 s.
     StepPlan("machine", 10),
     StepPlan("versions", 20),
@@ -82,6 +107,9 @@ STEPS = (
     StepPlan("imports without vLLM", 30, beside="GPU tests"),
     StepPlan("topology", 10, beside="GPU tests"),
     StepPlan("mapped host memory", 40, beside="GPU tests"),
+    # Split from the arena's lane so that a failed extension build costs only these two tests (a CpuMoE's jobs in
+    # stream order, a graph replay of them): 30 s, an estimate (the three files had 40 s together).
+    StepPlan("CPU tier on the GPU", 30, beside="GPU tests", waits_for=CPU_KERNEL_STEP),
     StepPlan("Triton MoE vs torch reference", 40, ((TESTS_LAYER, DECODE_TOKENS + GRAPH_TOKENS),),
              (("exl3_matmul_kernel", 1, 1, 1),), beside="GPU tests"),
     StepPlan("Triton prefill", 30, ((TESTS_LAYER, PREFILL_TOKENS),), (("exl3_matmul_kernel", 1, 1, 1),),
@@ -126,9 +154,8 @@ def variant_seconds(kernel: str, rates: int = 1, codebooks: int = 1) -> float:
     return COMPILE_S[kernel] * decode_copies(rates, codebooks)
 
 
-def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[tuple[str, int, int, str, str]]:
-    """(step name, its own seconds, budget seconds, where the budget comes from, its side-by-side group) for each
-    step, in order."""
+def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[Budget]:
+    """Each step's Budget, in order."""
     compiled: set[tuple] = set()  # compiled before the step (or its group) starts
     group, group_compiled = "", set()
     out = []
@@ -155,24 +182,42 @@ def budgets(steps: tuple[StepPlan, ...] = STEPS, capability: int = 90) -> list[t
         if priced:
             parts = ", ".join(f"{kernel} {n:.0f} x {seconds / n:.1f} s" for kernel, (n, seconds) in sorted(priced.items()))
             source += f" + compile {compile_s} s (census: variants x s each, decode copies held priced in: {parts})"
-        out.append((step.name, step.run_s, step.run_s + compile_s, source, step.beside))
+        out.append(Budget(step.name, step.run_s, step.run_s + compile_s, source, step.beside, step.background,
+                          step.waits_for))
     return out
 
 
-def run_seconds(plan: list[tuple[str, int, int, str, str]], skip: tuple[str, ...] = ENGINE_STEPS) -> int:
-    """The whole run's budget: its steps one after another, a side-by-side group as long as its longest step
-    (`skip`: steps that do not run, by default the engine's, as on a lent machine without vLLM)."""
-    longest: dict[str, int] = {}
-    total = 0
-    for name, _, budget, _, beside in plan:
-        if name in skip:
+def _timeline(plan: list[Budget], skip: tuple[str, ...] = ()) -> tuple[dict[str, int], int]:
+    """Each step's start in a run that takes every step its whole budget, and that run's end: steps one after another,
+    a side-by-side group starting together and ending with its longest, a background step beside whatever follows it,
+    a step that waits for one starting when it ends (`skip`: steps that do not run). A step ending early never makes
+    another end later, so this end bounds every run."""
+    starts: dict[str, int] = {}
+    clock = end = 0  # when the next step (or group) starts; when the last step ends
+    group, group_start = "", 0
+    for row in plan:
+        if row.name in skip:
             continue
-        if beside:
-            total += max(0, budget - longest.get(beside, 0))
-            longest[beside] = max(longest.get(beside, 0), budget)
-        else:
-            total += budget
-    return total
+        if row.background:
+            starts[row.name] = clock
+            end = max(end, clock + row.seconds)
+            continue
+        if row.beside != group:
+            group, group_start = row.beside, clock
+        starts[row.name] = group_start if row.beside else clock
+        if row.waits_for:
+            (awaited,) = [r for r in plan if r.name == row.waits_for and r.background]
+            starts[row.name] = max(starts[row.name], starts[awaited.name] + awaited.seconds)
+        clock = max(clock, starts[row.name] + row.seconds)
+        end = max(end, clock)
+    return starts, end
+
+
+def run_seconds(plan: list[Budget], skip: tuple[str, ...] = ENGINE_STEPS) -> int:
+    """The whole run's budget: its steps one after another, a side-by-side group as long as its longest step, a
+    background step as long as it lasts beside those after it (`skip`: steps that do not run, by default the engine's,
+    as on a lent machine without vLLM)."""
+    return _timeline(plan, skip)[1]
 
 
 def prices_note(running: dict[str, str]) -> list[str]:
@@ -191,8 +236,11 @@ if __name__ == "__main__":
 
     print("\n".join(prices_note(toolchain(90))), file=sys.stderr, flush=True)
     _plan = budgets()
-    for _name, _run_s, _seconds, _source, _beside in _plan:
-        print(f"{_name}\t{_run_s}\t{_seconds}\t{_source}\t{_beside}")
+    for _row in _plan:  # tab-separated for gpu-check.sh's `read`, which runs empty fields together: "-" for none
+        print("\t".join(str(_field) for _field in (
+            _row.name, _row.run_s, _row.seconds, _row.source, _row.beside or "-", _row.waits_for or "-",
+            "background" if _row.background else "-")))
     _total = run_seconds(_plan)
     print(f"whole run\t{_total}\t{_total + MACHINE_START_S}\t{_total} s of steps without vLLM's (a side-by-side "
-          f"group at its longest) + {MACHINE_START_S} s machine start, of {RUN_LIMIT_S} s\t")
+          f"group at its longest, a background step beside what follows) + {MACHINE_START_S} s machine start, of "
+          f"{RUN_LIMIT_S} s\t-\t-\t-")
