@@ -19,7 +19,8 @@ Python that runs torch 2.11.0. The op schemas mark the tensors each kernel write
 op refuses a rate or codebook this build did not compile, by name, before launching anything.
 
 Output (ignored, carried to the GPU machine): `.gpucheck/exllamav3_ext/` = `_C.so`, `__init__.py` (loads it and
-exposes the functions under exllamav3_ext's names), `manifest.json` (versions, rates, arches, build time, checks).
+exposes the functions under exllamav3_ext's names), `manifest.json` (versions, rates, arches, build time, checks);
+and `.gpucheck/bin/ninja`, this environment's ninja, for the GPU check's build of the CPU tier's extension.
 """
 
 from __future__ import annotations
@@ -654,6 +655,21 @@ def main(argv: list[str] | None = None) -> int:
         print("build-exllamav3-ext: FAILED checks:\n  " + "\n  ".join(report["problems"]), file=sys.stderr)
         return 1
     print(f"build-exllamav3-ext: {so} ({report['bytes'] / 2**20:.1f} MiB) in {manifest['build_wall_s']} s")
+    return carry_ninja(args.out.parent / "bin")
+
+
+def carry_ninja(bin_dir: Path) -> int:
+    """Copy this environment's ninja beside the extension: the GPU check builds the CPU tier's extension with torch's
+    cpp_extension, which needs ninja, and the lent machine's torch + Triton install has none (its pip cannot reach
+    an index); gpu-check.sh puts this directory on PATH only where no ninja is found."""
+    ninja = shutil.which("ninja") or shutil.which("ninja", path=str(Path(sys.executable).parent))
+    if ninja is None:
+        print("build-exllamav3-ext: no ninja here to carry (pip install ninja): the GPU check's CPU tier lane "
+              "will be refused on a machine without one", file=sys.stderr)
+        return 1
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ninja, bin_dir / "ninja")
+    print(f"build-exllamav3-ext: carried {ninja} as {bin_dir / 'ninja'}")
     return 0
 
 

@@ -91,6 +91,10 @@ EXT_DIR="${EXLLAMAV3_EXT_DIR:-$PWD/.gpucheck}"
 if [ -f "$EXT_DIR/exllamav3_ext/__init__.py" ]; then
     export PYTHONPATH="$EXT_DIR:$PYTHONPATH"
 fi
+# ninja for the CPU tier's extension build (torch's cpp_extension needs it), carried there where this machine has none.
+if ! command -v ninja >/dev/null && [ -x "$EXT_DIR/bin/ninja" ]; then
+    export PATH="$EXT_DIR/bin:$PATH"
+fi
 export EXLLAMAV3_TUNE_CACHE="$SCRATCH/tune/alone"  # exl3_gemm's autotune cache, fresh per run
 mkdir -p "$EXLLAMAV3_TUNE_CACHE"
 
