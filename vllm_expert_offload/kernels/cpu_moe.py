@@ -2,9 +2,10 @@
 
 Why a kernel of its own rather than the rotated glue around the CPU matmul (cpu_exl3.py): a MoE forward is
 five steps (input rotations, gate/up, activation, down, the per-token sum), and in Python each is a handful of
-torch ops with their own threads and allocations; here they are phases of one job on a persistent pool of worker
-threads (created once per (threads, cpus) in the process, pinned when given CPUs), each decoded 16x16 tile used
-for every row routed to its expert, results independent of the thread count.
+torch ops with their own threads and allocations; here they are one job on a persistent pool of worker threads
+(created once per (threads, cpus) in the process, pinned when given CPUs): one list of gate/up then down tile
+tasks, the steps between them run by whichever thread completes what they need, each decoded 16x16 tile used for
+every row routed to its expert, results independent of the thread count.
 
 It reads the same per-expert trellises the GPU kernels read (an arena record is a host tensor: no copy of the
 weights), so the CPU expert tier and the CPU engine's MoE layers run the same code.
