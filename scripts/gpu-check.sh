@@ -380,7 +380,7 @@ export DRY PY
 # (long enough that the waiting step usually does wait).
 pick "$PY" -m vllm_expert_offload.tools.cpu_kernel_build \
     -- bash -c 'sleep 20 && "$0" -m vllm_expert_offload.tools.cpu_kernel_build --check' "$PY"
-background "CPU tier's extension: built ahead of its first use (tools/cpu_kernel_build.py)" "${CMD[@]}"
+background "CPU tier extension: built ahead of its first use (tools/cpu_kernel_build.py)" "${CMD[@]}"
 step machine bash -o pipefail -c 'machine_facts | tee "$1"' machine "$RESULTS_DIR/machine.txt"
 step versions "$PY" -c "
 import sys, torch, triton

@@ -29,7 +29,7 @@ SCRIPT = REPO / "scripts" / "gpu-check.sh"
 STEPS = ["machine", "versions", "imports without vLLM", "topology", "mapped host memory", "CPU tier on the GPU",
          "Triton MoE vs torch reference", "Triton prefill", "Triton mixed rates",
          *(f"Triton every rate {lane}: " for lane in ("k1-1.5", "k2-2.5", "k3-3.5", "k4-5", "k6-7", "k8")),
-         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "CPU tier's extension",
+         "exllamav3 kernels", "compiled Triton forwards", "compiled exllamav3 forwards", "CPU tier extension",
          "bandwidth probe", "kernel benchmark", "tiny EXL3 MoE on the CUDA engine", "tiny mixed pack", "summary"]
 
 
@@ -107,8 +107,8 @@ def test_dry_run_walks_every_step_appends_each_result_and_skips_the_engine_witho
     assert all(re.fullmatch(r"\d\d-[A-Za-z0-9-]+\.log", name) for name in logs)
     assert "test_arena.py" in logs[names[3]]
     # The CPU tier's tests started once its extension's build (here its --check, after a stand-in delay) had ended.
-    assert names[0] == "01-CPU-tier-s-extension.log" and "vllm_expert_offload_exl3_cpu: " in logs[names[0]]
-    assert re.match(r"== CPU tier's extension has ended \(waited \d+ s\): this step starts\n", logs[names[4]])
+    assert names[0] == "01-CPU-tier-extension.log" and "vllm_expert_offload_exl3_cpu: " in logs[names[0]]
+    assert re.match(r"== CPU tier extension has ended \(waited \d+ s\): this step starts\n", logs[names[4]])
     assert "test_stream_host_tier.py" in logs[names[4]]
     machine = (out / "machine.txt").read_text()
     assert "dry run: nvidia-smi not queried" in machine and "Architecture" in machine  # lscpu's
@@ -128,10 +128,10 @@ def test_a_failed_extension_build_fails_the_run_and_leaves_out_only_the_cpu_tier
     result, _ = _run(["--dry-run", str(out)], env, timeout=2000)
     assert result.returncode == 1, result.stdout[-4000:]
     rows = {r["step"].split(":")[0]: r for r in _rows(out / "gpu-check.jsonl")}
-    build, lane = rows["CPU tier's extension"], rows["CPU tier on the GPU"]
+    build, lane = rows["CPU tier extension"], rows["CPU tier on the GPU"]
     assert build["status"] == "failed" and "missing a C++ compiler ('/nonexistent/c++'" in build["tail"]
-    assert (lane["status"], lane["reason"]) == ("failed", "not run: CPU tier's extension failed (exit 1)")
-    others = [r for name, r in rows.items() if name not in {"CPU tier's extension", "CPU tier on the GPU", "summary"}]
+    assert (lane["status"], lane["reason"]) == ("failed", "not run: CPU tier extension failed (exit 1)")
+    others = [r for name, r in rows.items() if name not in {"CPU tier extension", "CPU tier on the GPU", "summary"}]
     assert all(r["status"] in ("passed", "skipped") for r in others) and len(others) == len(STEPS) - 3
     assert_what_comes_back_whole(out)
 
@@ -180,7 +180,7 @@ def test_the_run_is_bounded_and_steps_it_cannot_reach_fail_it(tmp_path: Path, to
     result, seconds = _run(["--dry-run", str(out)], env, timeout=300)
     assert result.returncode == 1 and seconds < total_s + 15
     build, *steps = _rows(out / "gpu-check.jsonl")  # the CPU tier's extension (110 s) does not fit either
-    assert build["step"].startswith("CPU tier's extension") and build["reason"].startswith("not run: needs 110 s")
+    assert build["step"].startswith("CPU tier extension") and build["reason"].startswith("not run: needs 110 s")
     assert steps[0]["step"] == "machine" and steps[0]["status"] == "passed" and steps[0]["seconds"] <= 2
     unreached = [r for r in steps if r.get("reason", "").startswith(("not run", "timed out"))]
     assert unreached and all(r["status"] == "failed" and re.match(r"not run: needs \d+ s \(run \d+ s", r["reason"])
@@ -220,7 +220,7 @@ def test_a_run_cut_short_by_its_bound_still_sends_back_its_results_whole(tmp_pat
     steps = _rows(out / "gpu-check.jsonl")
     cut = [r for r in steps if r.get("reason", "").startswith("cut short")]
     assert cut and all(r["status"] == "failed" and "tail" in r for r in cut)
-    assert any(r["step"].startswith("CPU tier's extension") for r in steps)  # cut short, or recorded as it ended
+    assert any(r["step"].startswith("CPU tier extension") for r in steps)  # cut short, or recorded as it ended
     assert steps[-1]["step"] == "summary" and steps[-1]["status"] == "failed" and "cut short" in steps[-1]["failed"]
     logs = _lane_logs(out)
     assert len(logs) == len([plan for plan in gpu_check_budget.STEPS if plan.beside or plan.background]) >= len(cut)

@@ -174,3 +174,11 @@ def test_prices_name_their_toolchain_and_warn_on_another() -> None:
     lent = prices_note({"triton": "3.6.0", "ptxas": "12.8"})
     assert "this Python compiles with Triton 3.6.0, ptxas 12.8" in lent[0] and lent[1].startswith("WARNING")
     assert prices_note({**PRICED_WITH, "ptxas": "12.8"})[1].startswith("WARNING")
+
+
+def test_step_names_are_words_bash_can_key_its_arrays_by() -> None:
+    """gpu-check.sh keys associative arrays by step name: bash 5.2's `unset "A[$key]"` leaves a key holding a quote in
+    place (a reaped background step recorded twice when the run is cut short later), and bash <= 5.1 refuses such a
+    key inside $(( )), dropping the step. So a name holds letters, digits, spaces, '.', '-' and '+' only."""
+    for step in STEPS:
+        assert re.fullmatch(r"[A-Za-z0-9 .+-]+", step.name), step.name

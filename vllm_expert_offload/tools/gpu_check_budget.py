@@ -93,7 +93,7 @@ MACHINE_START_S = 120  # "a minute or more" (the device README), twice; the comm
 # The CPU tier's extension (kernels/cpu_exl3.py: one C++ unit, three ISA copies, g++ -O3 on one core), built by
 # tools/cpu_kernel_build.py on this project's 2-core CI machine: 98 s (12-03), 72.2 s (12-04, 74 s wall with the
 # interpreter's start); priced with the slower's margin.
-CPU_KERNEL_STEP = "CPU tier's extension"
+CPU_KERNEL_STEP = "CPU tier extension"  # no quote: gpu-check.sh keys bash arrays by it
 
 STEPS = (
     # First, in the background: the GPU tests of the CPU tier wait for it instead of compiling it at first use.
