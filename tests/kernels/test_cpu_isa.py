@@ -12,6 +12,7 @@ import torch
 
 from vllm_expert_offload.exl3 import Codebook, parse_linear
 from vllm_expert_offload.exl3.encode import ROW_TARGET_RMS, encode_tiles
+from vllm_expert_offload.exl3.hadamard import hadamard_last
 from vllm_expert_offload.kernels import cpu_exl3
 from vllm_expert_offload.kernels.cpu_exl3 import CPU_MATMUL
 from vllm_expert_offload.kernels.expert_blocks import per_row_blocks
@@ -93,7 +94,7 @@ def test_every_supported_isa_decodes_exactly_and_encodes_like_torch(extension, i
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_state_of_every_codebook_decodes_to_the_table_on_every_isa(extension, isa: str) -> None:
-    """The SIMD copies compute the codebooks (byte sums, Veltkamp's rounding to fp16) instead of reading the
+    """The SIMD copies compute the codebooks (byte sums, two ways of rounding to fp16) instead of reading the
     tables: all 65536 states, so the rare byte sums and fp16 ties no random trellis reaches are covered too."""
     use_isa(extension, isa)
     values = cpu_exl3.codebook_values()
@@ -103,6 +104,26 @@ def test_every_state_of_every_codebook_decodes_to_the_table_on_every_isa(extensi
         assert torch.equal(got.half().float(), got), (isa, code)  # fp16 values, as decode.py's
     with pytest.raises(RuntimeError, match="unknown codebook id 3"):
         extension.exl3_codebook_states(3, values)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_rotates_rows_to_the_baseline_bits(extension, isa: str) -> None:
+    """The MoE forward's rotation (hadamard_row): the AVX-512 copy runs the stages h < 16 as shuffles in registers,
+    the others as plain loops. The same butterflies in the same order must give the same bits, and equal
+    exl3/hadamard.py's matrix product to fp32 rounding. Three blocks (not a power of two), each scale on and off."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 384, generator=gen)
+    suh, svh, none = torch.randn(384, generator=gen), torch.randn(384, generator=gen), torch.empty(0)
+    for scale_in, scale_out in ((none, none), (suh, none), (none, svh), (suh, svh)):
+        use_isa(extension, "baseline")
+        want = x.clone()
+        extension.exl3_hadamard_rows(want, scale_in, scale_out)
+        use_isa(extension, isa)
+        got = x.clone()
+        extension.exl3_hadamard_rows(got, scale_in, scale_out)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (isa, scale_in.numel(), scale_out.numel())
+        rotated = hadamard_last(x * (scale_in if scale_in.numel() else 1.0))
+        torch.testing.assert_close(got, rotated * (scale_out if scale_out.numel() else 1.0), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_isa_refused(extension) -> None:

@@ -61,11 +61,11 @@ struct MatmulArgs {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4,avx512vbmi,avx512vnni")  // AVX-512 F/BW/CD/DQ/VL + VBMI + VNNI, AVX2, FMA
 namespace avx512 {
-#define EXL3_ISA 2  // GCC's target pragma does not define __AVX512F__ & co., so the .inc is told which copy it is
+#define EXL3_ISA 2  // GCC's target pragma does not define __AVX512F__ & co., so the .incs are told which copy they are
 #include "exl3_matmul.inc"
-#undef EXL3_ISA
 #include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
+#undef EXL3_ISA
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -74,9 +74,9 @@ namespace avx512 {
 namespace avx2 {
 #define EXL3_ISA 1
 #include "exl3_matmul.inc"
-#undef EXL3_ISA
 #include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
+#undef EXL3_ISA
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -84,9 +84,9 @@ namespace avx2 {
 namespace baseline {  // x86-64 SSE2 (or another CPU's default): std::fma may be a libm call, slow but exact
 #define EXL3_ISA 0
 #include "exl3_matmul.inc"
-#undef EXL3_ISA
 #include "exl3_moe_rows.inc"
 #include "exl3_viterbi.inc"
+#undef EXL3_ISA
 }  // namespace baseline
 
 namespace {
@@ -383,6 +383,22 @@ at::Tensor exl3_codebook_states(int64_t codebook, const at::Tensor& values) {
   return out;
 }
 
+// Test hook: the MoE forward's row rotation (hadamard_row) of every row of x in place, as the active ISA computes it,
+// with suh/svh-like scales before and after (empty tensors: none).
+void exl3_hadamard_rows(at::Tensor& x, const at::Tensor& scale_in, const at::Tensor& scale_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % 128 == 0,
+              "x must be contiguous fp32 (rows, a multiple of 128)");
+  for (const at::Tensor* scale : {&scale_in, &scale_out}) {
+    TORCH_CHECK(scale->numel() == 0 || (scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                                        scale->numel() == x.size(1)),
+                "a scale must be empty or contiguous fp32 of x's width");
+  }
+  const float* in = scale_in.numel() ? scale_in.data_ptr<float>() : nullptr;
+  const float* out = scale_out.numel() ? scale_out.data_ptr<float>() : nullptr;
+  float* rows = x.data_ptr<float>();
+  for (int64_t r = 0; r < x.size(0); ++r) kernels().hadamard_row(rows + r * x.size(1), x.size(1), in, out);
+}
+
 // The C ABI's entry points, for callers without Python (a CUDA host function): their addresses, the job
 // struct's size, and the handle of a layer.
 std::vector<int64_t> exl3_moe_abi() {
@@ -405,6 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The layer's routed-expert forward for a batch (ids -1 skipped), fp32");
   m.def("exl3_moe_matmul", &exl3_moe_matmul, "Test hook: a @ W_hat through the MoE forward's tile routine");
   m.def("exl3_codebook_states", &exl3_codebook_states, "Test hook: every state's weight under one codebook");
+  m.def("exl3_hadamard_rows", &exl3_hadamard_rows, "Test hook: the MoE forward's row rotation, in place");
   m.def("exl3_moe_abi", &exl3_moe_abi, "(exl3_moe_submit address, exl3_moe_wait address, sizeof(Exl3MoeJob))");
   m.def("exl3_moe_host_abi", &exl3_moe_host_abi,
         "(exl3_moe_host_submit address, exl3_moe_host_wait address, sizeof(Exl3MoeHostJob)): cudaHostFn_t's");
