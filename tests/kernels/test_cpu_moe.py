@@ -68,12 +68,14 @@ def _before_a_guard_page(data: np.ndarray) -> tuple[mmap.mmap, int]:
     return buffer, base + start
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 3])
 @pytest.mark.parametrize("isa", ISAS)
-def test_one_row_products_at_every_rate_read_nothing_past_the_matrix(extension, isa: str) -> None:
-    """One row per block (a token's expert, AVX-512 decodes K > 2 in stream order and sums per-lane partial sums):
-    random inputs against float64 products of the reference W_hat, on a matrix that ends at an unreadable page
-    (each chunk of a tile is loaded as 64 bytes). The sums are fp32 in another order, so they agree within
-    64 ulp-sized steps of sum |x w| (a 32-term fp32 sum errs by at most 31 * 2^-24 of it)."""
+def test_decode_products_at_every_rate_read_nothing_past_the_matrix(extension, isa: str, rows_per_block: int) -> None:
+    """Blocks of one row (a token's expert) and of three: AVX-512 decodes one row at K > 2 in stream order, AVX2
+    every block of up to 8 rows, and both sum per-lane partial sums. Random inputs against float64 products of the
+    reference W_hat, on a matrix that ends at an unreadable page (stream order loads 64 or 16 bytes at a time). The
+    sums are fp32 in another order, so they agree within 64 ulp-sized steps of sum |x w| (a 32-term fp32 sum errs by
+    at most 31 * 2^-24 of it)."""
     use_isa(extension, isa)
     values = cpu_exl3.codebook_values()
     gen = torch.Generator().manual_seed(5)
@@ -83,7 +85,7 @@ def test_one_row_products_at_every_rate_read_nothing_past_the_matrix(extension, 
         buffer, address = _before_a_guard_page(trellis)
         x = torch.randn(3, 32, generator=gen)
         out = torch.full((3, 48), float("nan"))
-        extension.exl3_moe_matmul(x, address, round(2 * k), CODEBOOK_IDS_BY_NAME[cb], 48, 1, values, out)
+        extension.exl3_moe_matmul(x, address, round(2 * k), CODEBOOK_IDS_BY_NAME[cb], 48, rows_per_block, values, out)
         want = x.double().numpy() @ weight
         bound = np.abs(x.double().numpy()) @ np.abs(weight)
         assert np.all(np.abs(out.double().numpy() - want) <= 64 * 2.0**-24 * bound), (isa, k, cb)
