@@ -53,27 +53,31 @@ def test_tile_routine_decodes_every_rate_exactly(extension, isa: str) -> None:
             assert np.array_equal(bits, expected), (isa, k, cb, rows_per_block)
 
 
-def _before_a_guard_page(data: np.ndarray) -> tuple[mmap.mmap, int]:
-    """A copy of `data` whose last byte is the last one before a page that cannot be read: a load past the matrix
-    crashes the process instead of reading whatever lies there."""
+def _beside_a_guard_page(data: np.ndarray, guard: str) -> tuple[mmap.mmap, int]:
+    """A copy of `data` right before (guard="after") or right after (guard="before") a page that cannot be read:
+    a load past the matrix's end or before its start crashes the process instead of reading whatever lies there."""
     page = mmap.PAGESIZE
     pages = -(-data.nbytes // page)
     buffer = mmap.mmap(-1, (pages + 1) * page)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    assert libc.mprotect(base + pages * page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
-    start = pages * page - data.nbytes
-    buffer[start:pages * page] = data.tobytes()
+    guard_at = pages * page if guard == "after" else 0
+    assert libc.mprotect(base + guard_at, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    start = pages * page - data.nbytes if guard == "after" else page
+    buffer[start:start + data.nbytes] = data.tobytes()
     return buffer, base + start
 
 
+@pytest.mark.parametrize("guard", ["after", "before"])
 @pytest.mark.parametrize("rows_per_block", [1, 3])
 @pytest.mark.parametrize("isa", ISAS)
-def test_decode_products_at_every_rate_read_nothing_past_the_matrix(extension, isa: str, rows_per_block: int) -> None:
+def test_decode_products_at_every_rate_read_nothing_outside_the_matrix(extension, isa: str, rows_per_block: int,
+                                                                       guard: str) -> None:
     """Blocks of one row (a token's expert) and of three: AVX-512 decodes one row at K > 2 in stream order, AVX2
     every block of up to 8 rows, and both sum per-lane partial sums. Random inputs against float64 products of the
-    reference W_hat, on a matrix that ends at an unreadable page (stream order loads 64 or 16 bytes at a time). The
+    reference W_hat, on a matrix that ends at an unreadable page (stream order loads 64 or 16 bytes at a time), or
+    starts right after one (a tile's first windows wrap around to its end: they must be read from there). The
     sums are fp32 in another order, so they agree within 64 ulp-sized steps of sum |x w| (a 32-term fp32 sum errs by
     at most 31 * 2^-24 of it)."""
     use_isa(extension, isa)
@@ -82,7 +86,7 @@ def test_decode_products_at_every_rate_read_nothing_past_the_matrix(extension, i
     for i, (k, cb) in enumerate(ALL_RATES):
         trellis = ref.random_trellis(np.random.default_rng(40 + i), 2, 3, k)  # 2 x 3 tiles: 3 not a power of two
         weight = ref.rotated_weight_bits(trellis, k, cb).view(np.float16).astype(np.float64)
-        buffer, address = _before_a_guard_page(trellis)
+        buffer, address = _beside_a_guard_page(trellis, guard)
         x = torch.randn(3, 32, generator=gen)
         out = torch.full((3, 48), float("nan"))
         extension.exl3_moe_matmul(x, address, round(2 * k), CODEBOOK_IDS_BY_NAME[cb], 48, rows_per_block, values, out)
